@@ -1,0 +1,132 @@
+/*
+ * backend.h — the attention backend interface: a const ops table per backend (CPU, CUDA)
+ * and the one module that calls through it (kernels/backend.c).
+ *
+ * A backend owns the memory pools of DESIGN.md §3: the KV pool (n_pages pages, each
+ * holding page_tokens tokens of K and V for every layer and kv head), the accumulator
+ * pool (acc_slots slots of (o fp32[head_dim], lse fp32) for splits run as partials), and
+ * for device backends, staging buffers. All of it is allocated in create(); run() never
+ * allocates.
+ *
+ * Page ids are chosen by the caller (server/kvcache.c); the backend only reads and writes
+ * the pages it is told to. Every backend implements the determinism contract of
+ * DESIGN.md §1 exactly: write before attend, fixed splits of S tokens at absolute
+ * positions, fixed tiles of T, online softmax, split finalize, left-fold merge.
+ */
+#ifndef DA_BACKEND_H
+#define DA_BACKEND_H
+
+#include "da.h"
+
+typedef struct da_backend_cfg {
+  da_model model;
+  da_numerics num;
+  int page_tokens;      /* tokens per page, a power of two in [8, 256] */
+  int n_pages;          /* KV pool size in pages */
+  int acc_slots;        /* accumulator pool slots; 0: backend default */
+  size_t staging_bytes; /* device backends: bytes per staging buffer; 0: default */
+  int n_threads;        /* CPU backend: worker threads, 0: number of online CPUs */
+  int device;           /* CUDA backend: device ordinal */
+  int poison;           /* tests: fill pools with NaN at create and accumulators per batch */
+} da_backend_cfg;
+
+typedef struct da_backend_info {
+  char name[16];           /* "cpu", "cuda" */
+  char arch[32];           /* "x86_64", "sm_90", ... */
+  uint32_t kernel_version; /* bumped whenever a kernel's arithmetic changes */
+  uint64_t fingerprint;    /* da_fingerprint of the above with the model and numerics */
+  int n_pages;
+  int acc_slots;
+  size_t kv_bytes, acc_bytes, staging_bytes;
+  int max_batch_tokens;    /* most query + appended tokens one batch may carry (staging) */
+} da_backend_info;
+
+/* Copy a whole page (every layer, K and V) from src to dst: copy-on-write after fork. */
+typedef struct da_page_copy {
+  int32_t src, dst;
+} da_page_copy;
+
+/* Write K/V of n_tokens tokens at absolute positions [pos, pos + n_tokens) of one layer.
+ * Token t goes to page pages[t / page_tokens], slot t % page_tokens. */
+typedef struct da_append {
+  int layer;
+  int pos;
+  int n_tokens;
+  const int32_t *pages; /* page table, covering at least [0, pos + n_tokens) */
+  int n_pages;
+  const void *k; /* [n_tokens][n_kv_heads][head_dim], model dtype */
+  const void *v; /* [n_tokens][n_kv_heads][head_dim] */
+} da_append;
+
+/* Causal attention for n_q query tokens at absolute positions [q_pos, q_pos + n_q) of one
+ * layer of one sequence. Query at p attends to keys [w0, p] (w0 from the window), read
+ * through the page table; those keys must be written (by this batch's appends or before). */
+typedef struct da_attn {
+  int layer;
+  int q_pos;
+  int n_q;
+  const int32_t *pages; /* page table, covering at least [0, q_pos + n_q) */
+  int n_pages;
+  const void *q; /* [n_q][n_q_heads][head_dim], model dtype */
+  void *o;       /* out: [n_q][n_q_heads][head_dim], model dtype */
+  float *lse;    /* out, optional: [n_q][n_q_heads], natural log, or NULL */
+} da_attn;
+
+/* How the splits of a row run. Both ways give the same bits; AUTO lets the backend pick
+ * per work item from load and free accumulator slots. */
+typedef enum da_split_mode {
+  DA_SPLIT_AUTO = 0,
+  DA_SPLIT_INROW = 1,   /* every split of a row folded in one thread / CTA */
+  DA_SPLIT_PARTIAL = 2, /* splits as partials in the accumulator pool, then combine */
+} da_split_mode;
+
+/* One batch. The backend performs, in this order: all copies, all appends, all attns.
+ * Pointers are host memory and stay valid until run() returns. */
+typedef struct da_batch {
+  const da_page_copy *copies;
+  int n_copies;
+  const da_append *appends;
+  int n_appends;
+  const da_attn *attns;
+  int n_attns;
+  da_split_mode split_mode;
+} da_batch;
+
+typedef struct da_batch_result {
+  int64_t inrow_rows;   /* (query token, q head) rows whose splits ran in-row */
+  int64_t partial_rows; /* rows whose splits ran as partials + combine */
+  char err[256];        /* message when run() fails */
+} da_batch_result;
+
+typedef struct da_backend_ops {
+  const char *name;
+  /* Optional. Non-zero if the backend can run on this machine (a device is present). */
+  int (*available)(void);
+  /* Required. Validates cfg, allocates all pools, fills info. Any thread. On failure
+   * writes a message to err and allocates nothing. */
+  int (*create)(void **ctx, const da_backend_cfg *cfg, da_backend_info *info, char *err,
+                size_t errlen);
+  /* Required. Frees everything create() allocated. */
+  void (*destroy)(void *ctx);
+  /* Required. Runs one batch to completion; blocks. Called from one thread at a time.
+   * Returns DETATTN_INTERNAL (message in res->err) on a device failure; a sticky device
+   * error returns DETATTN_UNAVAILABLE and every later call fails the same way. */
+  int (*run)(void *ctx, const da_batch *b, da_batch_result *res);
+} da_backend_ops;
+
+extern const da_backend_ops da_cpu_backend_ops;
+#ifdef DETATTN_HAVE_CUDA
+extern const da_backend_ops da_cuda_backend_ops;
+#endif
+
+typedef struct da_backend da_backend;
+
+/* name: "cpu", "cuda", or "auto" (cuda when built and a device is present, else cpu). */
+int da_backend_open(da_backend **out, const char *name, const da_backend_cfg *cfg, char *err,
+                    size_t errlen);
+void da_backend_close(da_backend *be);
+int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res);
+const da_backend_info *da_backend_get_info(const da_backend *be);
+const da_backend_cfg *da_backend_get_cfg(const da_backend *be);
+
+#endif /* DA_BACKEND_H */

@@ -1,0 +1,168 @@
+/*
+ * detattn.h — the public C API of libdetattn, the detattn client library.
+ *
+ * A serving stack links libdetattn to run attention in a detattnd daemon: one call per
+ * layer per forward step. The daemon batches calls from all its clients freely, and every
+ * output is bit-identical to running that call alone (see DESIGN.md §1).
+ *
+ * Threads: a detattn_client may be used from any number of threads at once; each call
+ * uses its own nng request context. Calls block unless named _start.
+ * Errors: every function returns a detattn_status (DETATTN_OK == 0). The message of the
+ * last failed call on the calling thread is available from detattn_errmsg().
+ * Tensors: little-endian, in the model's dtype (2 bytes per element), row-major with the
+ * shapes given at each field.
+ */
+#ifndef DETATTN_H
+#define DETATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define DETATTN_API __declspec(dllexport)
+#else
+#define DETATTN_API __attribute__((visibility("default")))
+#endif
+
+#define DETATTN_PROTOCOL_VERSION 1
+
+/*
+ * Status codes: the gRPC canonical set, with the same numbers. These numbers go on the
+ * wire; they are append-only. XX(name, number, default message).
+ */
+#define DETATTN_STATUS_MAP(XX)                                                  \
+  XX(OK, 0, "ok")                                                               \
+  XX(CANCELLED, 1, "cancelled")                                                 \
+  XX(UNKNOWN, 2, "unknown error")                                               \
+  XX(INVALID_ARGUMENT, 3, "invalid argument")                                   \
+  XX(DEADLINE_EXCEEDED, 4, "deadline exceeded")                                 \
+  XX(NOT_FOUND, 5, "not found")                                                 \
+  XX(ALREADY_EXISTS, 6, "already exists")                                       \
+  XX(PERMISSION_DENIED, 7, "permission denied")                                 \
+  XX(RESOURCE_EXHAUSTED, 8, "resource exhausted")                               \
+  XX(FAILED_PRECONDITION, 9, "failed precondition")                             \
+  XX(ABORTED, 10, "aborted")                                                    \
+  XX(OUT_OF_RANGE, 11, "out of range")                                          \
+  XX(UNIMPLEMENTED, 12, "unimplemented")                                        \
+  XX(INTERNAL, 13, "internal error")                                            \
+  XX(UNAVAILABLE, 14, "unavailable")                                            \
+  XX(DATA_LOSS, 15, "data loss")
+
+typedef enum detattn_status {
+#define DETATTN_XX_(name, num, msg) DETATTN_##name = num,
+  DETATTN_STATUS_MAP(DETATTN_XX_)
+#undef DETATTN_XX_
+} detattn_status;
+
+/* "INVALID_ARGUMENT" for DETATTN_INVALID_ARGUMENT; "UNKNOWN_STATUS" for other numbers. */
+DETATTN_API const char *detattn_status_name(int status);
+/* The default message for a status ("invalid argument"). */
+DETATTN_API const char *detattn_status_str(int status);
+/* The message of the last failed call on this thread ("" if none). Valid until the next
+ * call on this thread. */
+DETATTN_API const char *detattn_errmsg(void);
+
+typedef enum detattn_dtype { DETATTN_BF16 = 0, DETATTN_FP16 = 1 } detattn_dtype;
+
+typedef struct detattn_model {
+  uint32_t n_layers;
+  uint32_t n_q_heads;   /* a multiple of n_kv_heads (GQA/MQA) */
+  uint32_t n_kv_heads;
+  uint32_t head_dim;
+  detattn_dtype dtype;
+  float scale;          /* softmax scale applied to q·k */
+  float softcap;        /* 0: off; else score = softcap * tanh(score / softcap) */
+  uint32_t window;      /* 0: full causal; else a query at p sees [p - window + 1, p] */
+  uint32_t page_tokens; /* tokens per KV page */
+} detattn_model;
+
+typedef struct detattn_server_info {
+  char server_version[32];
+  uint32_t protocol_version;
+  detattn_model model;
+  char backend[16];         /* "cpu", "cuda" */
+  char arch[32];            /* "x86_64", "sm_90", ... */
+  uint32_t kernel_version;
+  uint32_t split_tokens;    /* S */
+  uint32_t tile_tokens;     /* T */
+  uint64_t fingerprint;     /* numerics fingerprint: equal fingerprints + equal inputs => equal bits */
+  uint64_t max_message_bytes;
+  uint32_t max_tokens_per_request;
+  uint64_t kv_capacity_tokens;
+  uint32_t kv_pages;
+} detattn_server_info;
+
+typedef struct detattn_stats {
+  uint64_t uptime_ms;
+  uint64_t requests;        /* all requests answered */
+  uint64_t errors;          /* answered with a status other than OK */
+  uint64_t forwards;        /* Forward requests answered OK */
+  uint64_t forward_tokens;  /* query tokens computed */
+  uint64_t batches;
+  double batch_tokens_mean, batch_tokens_p50, batch_tokens_p99, batch_tokens_max;
+  double batch_requests_mean, batch_requests_max;
+  double queue_us_mean, queue_us_p50, queue_us_p99, queue_us_max;
+  uint64_t inrow_items, partial_items; /* split execution chosen per work item */
+  uint32_t kv_pages_total, kv_pages_used, kv_pages_free;
+  uint32_t sequences;
+  uint32_t clients;
+} detattn_stats;
+
+typedef struct detattn_client detattn_client;
+
+/* Connects to url (ipc://..., tcp://127.0.0.1:port, tls+tcp://...). Does not block for
+ * long: nng dials in the background; the first call waits for the connection up to its
+ * timeout. */
+DETATTN_API int detattn_connect(detattn_client **out, const char *url);
+/* Closes the connection: the daemon closes every sequence this client opened.
+ * Outstanding calls finish with DETATTN_CANCELLED or DETATTN_UNAVAILABLE. NULL is a no-op. */
+DETATTN_API void detattn_close(detattn_client *c);
+/* Per-call timeout in milliseconds (default 60000; <= 0 waits forever). */
+DETATTN_API void detattn_set_timeout(detattn_client *c, int ms);
+
+DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out);
+DETATTN_API int detattn_stats_get(detattn_client *c, detattn_stats *out);
+
+/* Sequences: ids are chosen by the daemon and belong to the connection that opened them. */
+DETATTN_API int detattn_seq_open(detattn_client *c, uint64_t *seq_out);
+/* A new sequence sharing src's tokens (copy-on-write pages). */
+DETATTN_API int detattn_seq_fork(detattn_client *c, uint64_t src, uint64_t *seq_out);
+/* Every layer's length becomes min(its length, length). */
+DETATTN_API int detattn_seq_truncate(detattn_client *c, uint64_t seq, uint32_t length);
+DETATTN_API int detattn_seq_close(detattn_client *c, uint64_t seq);
+
+/* One sequence's part of a Forward call for one layer: n_tokens new tokens at absolute
+ * positions [pos, pos + n_tokens); pos must equal the layer's current length. The daemon
+ * appends k and v, then computes causal attention for the n_tokens queries. */
+typedef struct detattn_seq_io {
+  uint64_t seq;
+  uint32_t pos;
+  uint32_t n_tokens;
+  const void *q;  /* [n_tokens][n_q_heads][head_dim] */
+  const void *k;  /* [n_tokens][n_kv_heads][head_dim] */
+  const void *v;  /* [n_tokens][n_kv_heads][head_dim] */
+  void *o;        /* out: [n_tokens][n_q_heads][head_dim] */
+  float *lse;     /* out, optional: [n_tokens][n_q_heads] natural-log sum-exp, or NULL */
+} detattn_seq_io;
+
+/* Blocking Forward for `layer` over n sequences (atomic: on error nothing is appended to
+ * any of them). Requests with lse if any item's lse is non-NULL. */
+DETATTN_API int detattn_forward(detattn_client *c, uint32_t layer, detattn_seq_io *items,
+                                size_t n);
+
+/* Asynchronous Forward: the inputs are copied before _start returns; items[].o and .lse
+ * must stay valid until detattn_call_wait returns. Any number may be in flight. */
+typedef struct detattn_call detattn_call;
+DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn_seq_io *items,
+                                      size_t n, detattn_call **out);
+/* Waits for the call, writes its outputs, frees it, and returns its status. */
+DETATTN_API int detattn_call_wait(detattn_call *call);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* DETATTN_H */
