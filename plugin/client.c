@@ -1,0 +1,317 @@
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client_impl.h"
+#include "da.h"
+
+#include <nng/protocol/reqrep0/req.h>
+
+enum { CALL_SEND = 0, CALL_RECV = 1, CALL_DONE = 2 };
+
+static _Thread_local char errmsg[512];
+
+DETATTN_API const char *detattn_errmsg(void) { return errmsg; }
+
+int da_err(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(errmsg, sizeof errmsg, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+/* The connection dropped: every call in flight may have been sent on it, and req0 would
+ * resend it on the next connection. Requests are not idempotent, so they fail instead. */
+static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg) {
+  detattn_client *c = arg;
+  (void)p;
+  (void)ev;
+  pthread_mutex_lock(&c->mu);
+  c->gen++;
+  c->have_info = 0;
+  for (detattn_call *k = c->inflight; k; k = k->next) nng_aio_abort(k->aio, NNG_ECONNRESET);
+  pthread_mutex_unlock(&c->mu);
+}
+
+DETATTN_API int detattn_connect(detattn_client **out, const char *url) {
+  detattn_client *c;
+  int rv, st;
+
+  if (!out || !url) return da_err(DETATTN_INVALID_ARGUMENT, "connect: out and url must not be NULL");
+  *out = NULL;
+  if (strlen(url) >= sizeof c->url)
+    return da_err(DETATTN_INVALID_ARGUMENT, "connect: url longer than %zu bytes", sizeof c->url - 1);
+  if (!(c = calloc(1, sizeof *c))) return da_err(DETATTN_RESOURCE_EXHAUSTED, "connect: out of memory");
+  snprintf(c->url, sizeof c->url, "%s", url);
+  c->timeout_ms = DA_CLIENT_DEFAULT_TIMEOUT_MS;
+  c->next_id = 1;
+  if (pthread_mutex_init(&c->mu, NULL) != 0) {
+    st = da_err(DETATTN_INTERNAL, "connect: pthread_mutex_init failed");
+    goto fail_mu;
+  }
+  if (pthread_cond_init(&c->idle, NULL) != 0) {
+    st = da_err(DETATTN_INTERNAL, "connect: pthread_cond_init failed");
+    goto fail_cv;
+  }
+  if ((rv = nng_req0_open(&c->sock)) != 0) {
+    st = da_err(DETATTN_INTERNAL, "connect: nng_req0_open: %s", nng_strerror(rv));
+    goto fail_sock;
+  }
+  /* Before any context exists: contexts copy the socket's resend time when opened. */
+  if ((rv = nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE)) != 0 ||
+      (rv = nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, (size_t)1 << 30)) != 0 ||
+      (rv = nng_socket_set_ms(c->sock, NNG_OPT_RECONNMINT, 20)) != 0 ||
+      (rv = nng_socket_set_ms(c->sock, NNG_OPT_RECONNMAXT, 500)) != 0 ||
+      (rv = nng_pipe_notify(c->sock, NNG_PIPE_EV_REM_POST, pipe_removed, c)) != 0) {
+    st = da_err(DETATTN_INTERNAL, "connect: socket options: %s", nng_strerror(rv));
+    goto fail_opt;
+  }
+  /* Non-blocking: the daemon may start later; calls wait for the connection. */
+  if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
+    st = da_err(rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP || rv == NNG_EINVAL ? DETATTN_INVALID_ARGUMENT
+                                                                            : DETATTN_UNAVAILABLE,
+                "connect: dial %s: %s", url, nng_strerror(rv));
+    goto fail_opt;
+  }
+  *out = c;
+  return DETATTN_OK;
+
+fail_opt:
+  nng_close(c->sock);
+fail_sock:
+  pthread_cond_destroy(&c->idle);
+fail_cv:
+  pthread_mutex_destroy(&c->mu);
+fail_mu:
+  free(c);
+  return st;
+}
+
+DETATTN_API void detattn_close(detattn_client *c) {
+  if (!c) return;
+  pthread_mutex_lock(&c->mu);
+  c->closing = 1;
+  pthread_mutex_unlock(&c->mu);
+  /* Closing the socket completes every outstanding aio (NNG_ECLOSED); wait until their
+   * callbacks have left the in-flight list, so no callback touches the client after. */
+  nng_close(c->sock);
+  pthread_mutex_lock(&c->mu);
+  while (c->inflight) pthread_cond_wait(&c->idle, &c->mu);
+  pthread_mutex_unlock(&c->mu);
+  pthread_cond_destroy(&c->idle);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+DETATTN_API void detattn_set_timeout(detattn_client *c, int ms) {
+  if (!c) return;
+  pthread_mutex_lock(&c->mu);
+  c->timeout_ms = ms;
+  pthread_mutex_unlock(&c->mu);
+}
+
+uint64_t da_client_next_id(detattn_client *c) {
+  pthread_mutex_lock(&c->mu);
+  uint64_t id = c->next_id++;
+  pthread_mutex_unlock(&c->mu);
+  return id;
+}
+
+void da_client_set_info(detattn_client *c, const detattn_server_info *info) {
+  pthread_mutex_lock(&c->mu);
+  c->info = *info;
+  c->have_info = 1;
+  pthread_mutex_unlock(&c->mu);
+}
+
+int da_client_get_info(detattn_client *c, detattn_server_info *out) {
+  pthread_mutex_lock(&c->mu);
+  int have = c->have_info;
+  if (have) *out = c->info;
+  pthread_mutex_unlock(&c->mu);
+  return have;
+}
+
+static void unlink_call(detattn_client *c, detattn_call *k) {
+  if (k->prev) k->prev->next = k->next;
+  else c->inflight = k->next;
+  if (k->next) k->next->prev = k->prev;
+  k->prev = k->next = NULL;
+  if (!c->inflight) pthread_cond_broadcast(&c->idle);
+}
+
+/* Runs on an nng thread. Unlinks the call before signalling the waiter: once the waiter
+ * runs it may free the call. */
+static void finish(detattn_call *k, int status, nng_msg *reply, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void finish(detattn_call *k, int status, nng_msg *reply, const char *fmt, ...) {
+  detattn_client *c = k->client;
+  pthread_mutex_lock(&c->mu);
+  unlink_call(c, k);
+  pthread_mutex_unlock(&c->mu);
+  pthread_mutex_lock(&k->mu);
+  k->status = status;
+  k->reply = reply;
+  if (fmt) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(k->msg, sizeof k->msg, fmt, ap);
+    va_end(ap);
+  }
+  k->phase = CALL_DONE;
+  pthread_cond_broadcast(&k->cv);
+  pthread_mutex_unlock(&k->mu);
+}
+
+/* Milliseconds left before the call's deadline (at least 1), or NNG_DURATION_INFINITE. */
+static nng_duration remaining_ms(const detattn_call *k) {
+  if (!k->deadline) return NNG_DURATION_INFINITE;
+  uint64_t now = da_now_ns();
+  if (now >= k->deadline) return 1;
+  uint64_t ms = (k->deadline - now + 999999) / 1000000;
+  return ms > INT32_MAX ? INT32_MAX : (nng_duration)ms;
+}
+
+static void fail_rv(detattn_call *k, int rv, int sending) {
+  const char *url = k->client->url;
+  switch (rv) {
+  case NNG_ETIMEDOUT:
+    if (sending)
+      finish(k, DETATTN_UNAVAILABLE, NULL, "no connection to the daemon at %s before the deadline", url);
+    else
+      finish(k, DETATTN_DEADLINE_EXCEEDED, NULL, "no reply from the daemon at %s before the deadline", url);
+    break;
+  case NNG_ECONNRESET:
+    finish(k, DETATTN_UNAVAILABLE, NULL, "connection to the daemon at %s lost with the request in flight", url);
+    break;
+  case NNG_ECLOSED:
+  case NNG_ECANCELED:
+    finish(k, DETATTN_CANCELLED, NULL, "call cancelled: the client was closed");
+    break;
+  default:
+    finish(k, DETATTN_UNAVAILABLE, NULL, "transport error talking to %s: %s", url, nng_strerror(rv));
+  }
+}
+
+static void call_cb(void *arg) {
+  detattn_call *k = arg;
+  detattn_client *c = k->client;
+  int rv = nng_aio_result(k->aio);
+
+  if (k->phase == CALL_SEND) {
+    if (rv != 0) {
+      nng_msg *m = nng_aio_get_msg(k->aio);
+      if (m) nng_msg_free(m);
+      nng_aio_set_msg(k->aio, NULL);
+      fail_rv(k, rv, 1);
+      return;
+    }
+    /* Under the client lock so a connection loss either sees the receive scheduled (and
+     * aborts it) or is seen here. */
+    pthread_mutex_lock(&c->mu);
+    if (k->gen != c->gen) {
+      pthread_mutex_unlock(&c->mu);
+      fail_rv(k, NNG_ECONNRESET, 0);
+      return;
+    }
+    k->phase = CALL_RECV;
+    nng_aio_set_timeout(k->aio, remaining_ms(k));
+    nng_ctx_recv(k->ctx, k->aio);
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
+  if (rv != 0) {
+    fail_rv(k, rv, 0);
+    return;
+  }
+  nng_msg *m = nng_aio_get_msg(k->aio);
+  nng_aio_set_msg(k->aio, NULL);
+  finish(k, DETATTN_OK, m, NULL);
+}
+
+int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_call **out) {
+  detattn_call *k;
+  int rv, st;
+
+  *out = NULL;
+  if (!(k = calloc(1, sizeof *k))) {
+    nng_msg_free(msg);
+    return da_err(DETATTN_RESOURCE_EXHAUSTED, "out of memory starting a call");
+  }
+  k->client = c;
+  k->id = id;
+  k->op = op;
+  if (pthread_mutex_init(&k->mu, NULL) != 0) goto fail_mu;
+  if (pthread_cond_init(&k->cv, NULL) != 0) goto fail_cv;
+  if ((rv = nng_ctx_open(&k->ctx, c->sock)) != 0) {
+    st = da_err(rv == NNG_ECLOSED ? DETATTN_CANCELLED : DETATTN_INTERNAL, "nng_ctx_open: %s", nng_strerror(rv));
+    goto fail_ctx;
+  }
+  if ((rv = nng_aio_alloc(&k->aio, call_cb, k)) != 0) {
+    st = da_err(DETATTN_RESOURCE_EXHAUSTED, "nng_aio_alloc: %s", nng_strerror(rv));
+    goto fail_aio;
+  }
+
+  pthread_mutex_lock(&c->mu);
+  if (c->closing) {
+    pthread_mutex_unlock(&c->mu);
+    st = da_err(DETATTN_CANCELLED, "the client is closing");
+    goto fail_closing;
+  }
+  k->deadline = c->timeout_ms > 0 ? da_now_ns() + (uint64_t)c->timeout_ms * 1000000u : 0;
+  k->gen = c->gen;
+  k->phase = CALL_SEND;
+  k->next = c->inflight;
+  if (c->inflight) c->inflight->prev = k;
+  c->inflight = k;
+  nng_aio_set_timeout(k->aio, remaining_ms(k));
+  nng_aio_set_msg(k->aio, msg);
+  nng_ctx_send(k->ctx, k->aio);
+  pthread_mutex_unlock(&c->mu);
+  *out = k;
+  return DETATTN_OK;
+
+fail_closing:
+  nng_aio_free(k->aio);
+fail_aio:
+  nng_ctx_close(k->ctx);
+fail_ctx:
+  pthread_cond_destroy(&k->cv);
+  if (0) {
+  fail_cv:
+    st = da_err(DETATTN_INTERNAL, "pthread_cond_init failed");
+  }
+  pthread_mutex_destroy(&k->mu);
+  if (0) {
+  fail_mu:
+    st = da_err(DETATTN_INTERNAL, "pthread_mutex_init failed");
+  }
+  free(k);
+  nng_msg_free(msg);
+  return st;
+}
+
+int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
+  pthread_mutex_lock(&k->mu);
+  while (k->phase != CALL_DONE) pthread_cond_wait(&k->cv, &k->mu);
+  int st = k->status;
+  *reply = k->reply;
+  k->reply = NULL;
+  pthread_mutex_unlock(&k->mu);
+  if (st != DETATTN_OK) return da_err(st, "%s", k->msg);
+  return DETATTN_OK;
+}
+
+void da_call_free(detattn_call *k) {
+  if (!k) return;
+  /* nng_aio_free waits for a callback still returning from finish(). */
+  nng_aio_free(k->aio);
+  nng_ctx_close(k->ctx);
+  if (k->reply) nng_msg_free(k->reply);
+  pthread_cond_destroy(&k->cv);
+  pthread_mutex_destroy(&k->mu);
+  free(k->out);
+  free(k);
+}

@@ -1,0 +1,90 @@
+/*
+ * client_impl.h — libdetattn's internals, shared by its two modules:
+ *   client.c  the transport: the nng req0 socket, one context and one aio per call, the
+ *             per-call deadline, connection-loss handling, the thread-local error message;
+ *   ops.c     the operations: protobuf encode, decode and response checks (protobuf
+ *             types never leave ops.c).
+ *
+ * A call's life: da_call_start (takes a packed request) -> the aio sends it on the call's
+ * own context, then receives the reply -> da_call_wait returns the reply bytes, or the
+ * transport status with a message. Calls are independent: any number may be in flight
+ * from any threads.
+ */
+#ifndef DA_CLIENT_IMPL_H
+#define DA_CLIENT_IMPL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+
+#include <nng/nng.h>
+
+#include "detattn.h"
+
+#define DA_CLIENT_DEFAULT_TIMEOUT_MS 60000
+
+/* What a call does once its reply is in: the request kind, and for Forward the caller's
+ * output buffers (copied from detattn_seq_io at start). */
+typedef struct da_call_out {
+  uint32_t n_tokens;
+  void *o;
+  float *lse;
+} da_call_out;
+
+struct detattn_call {
+  detattn_client *client;
+  nng_ctx ctx;
+  nng_aio *aio;
+  uint64_t id;
+  int op;             /* Detattn__V1__Request__OpCase of the request */
+  uint64_t deadline;  /* da_now_ns() deadline, 0: none */
+  uint64_t gen;       /* the client's connection generation when the call started */
+  int phase;          /* CALL_SEND, CALL_RECV, CALL_DONE */
+  int status;         /* transport status once done */
+  char msg[200];      /* transport message once done with an error */
+  nng_msg *reply;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  detattn_call *prev, *next; /* the client's in-flight list, under client->mu */
+  /* Forward only: the model the request was checked against and where outputs go. */
+  detattn_model model;
+  int want_lse;
+  size_t n_out;
+  da_call_out *out;
+};
+
+struct detattn_client {
+  nng_socket sock;
+  nng_dialer dialer;
+  char url[256];
+  int timeout_ms;           /* <= 0: none */
+  uint64_t next_id;         /* under mu */
+  pthread_mutex_t mu;
+  pthread_cond_t idle;      /* signalled when the in-flight list becomes empty */
+  detattn_call *inflight;   /* calls between start and completion */
+  uint64_t gen;             /* bumped when the connection to the daemon drops */
+  int closing;
+  int have_info;            /* the cached Hello, dropped with the connection */
+  detattn_server_info info;
+};
+
+/* Sets this thread's error message (printf-style) and returns status, for one-line
+ * `return da_err(DETATTN_X, "...")`. */
+int da_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Starts a call: takes ownership of msg (a packed Request whose id is `id`, from
+ * da_client_next_id) in every case. On success *out is the call, owned by the caller
+ * until da_call_wait. */
+int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_call **out);
+/* Waits for the transport to finish. On DETATTN_OK *reply is the reply message, owned by
+ * the caller. Does not free the call. */
+int da_call_transport_wait(detattn_call *k, nng_msg **reply);
+/* Frees a finished call (its context, aio and outputs table). NULL is a no-op. */
+void da_call_free(detattn_call *k);
+uint64_t da_client_next_id(detattn_client *c);
+/* Stores a Hello reply as the client's cached server info (until the connection drops). */
+void da_client_set_info(detattn_client *c, const detattn_server_info *info);
+/* Copies the cached server info; 0 if there is none. */
+int da_client_get_info(detattn_client *c, detattn_server_info *out);
+
+#endif /* DA_CLIENT_IMPL_H */

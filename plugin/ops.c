@@ -1,0 +1,363 @@
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "client_impl.h"
+#include "da.h"
+#include "detattn.pb-c.h"
+
+typedef Detattn__V1__Request Request;
+typedef Detattn__V1__Response Response;
+
+/* Packs rq (its id is assigned here) into a message and starts the call. */
+static int start_request(detattn_client *c, Request *rq, detattn_call **out) {
+  nng_msg *m;
+  int rv;
+
+  rq->id = da_client_next_id(c);
+  size_t len = detattn__v1__request__get_packed_size(rq);
+  if ((rv = nng_msg_alloc(&m, len)) != 0)
+    return da_err(DETATTN_RESOURCE_EXHAUSTED, "cannot allocate a %zu-byte request: %s", len, nng_strerror(rv));
+  detattn__v1__request__pack(rq, nng_msg_body(m));
+  return da_call_start(c, m, rq->id, (int)rq->op_case, out);
+}
+
+/* The result case a request's op is answered with: Response's oneof numbers are the
+ * Request's plus one. */
+static int expected_result(int op) { return op + 1; }
+
+/* Waits for the transport, decodes the Response and checks its id, status and kind.
+ * On DETATTN_OK *out is the decoded Response (free with ..._free_unpacked). */
+static int finish_response(detattn_call *k, Response **out) {
+  nng_msg *m = NULL;
+  int st;
+
+  *out = NULL;
+  if ((st = da_call_transport_wait(k, &m)) != DETATTN_OK) return st;
+  Response *r = detattn__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
+  size_t len = nng_msg_len(m);
+  nng_msg_free(m);
+  if (!r) return da_err(DETATTN_INTERNAL, "malformed response from the daemon (%zu bytes)", len);
+  if (r->id != k->id) {
+    st = da_err(DETATTN_INTERNAL, "response id %llu does not match request id %llu",
+                (unsigned long long)r->id, (unsigned long long)k->id);
+    goto fail;
+  }
+  if (r->status && r->status->code != DETATTN_OK) {
+    st = (int)r->status->code;
+    da_err(st, "%s", r->status->message && r->status->message[0] ? r->status->message : detattn_status_str(st));
+    goto fail;
+  }
+  if ((int)r->result_case != expected_result(k->op)) {
+    st = da_err(DETATTN_INTERNAL, "response of kind %d to a request of kind %d", (int)r->result_case, k->op);
+    goto fail;
+  }
+  *out = r;
+  return DETATTN_OK;
+fail:
+  detattn__v1__response__free_unpacked(r, NULL);
+  return st;
+}
+
+/* A blocking call: start, wait, check. */
+static int roundtrip(detattn_client *c, Request *rq, Response **out) {
+  detattn_call *k;
+  int st;
+
+  *out = NULL;
+  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "client is NULL");
+  if ((st = start_request(c, rq, &k)) != DETATTN_OK) return st;
+  st = finish_response(k, out);
+  da_call_free(k);
+  return st;
+}
+
+static void copy_str(char *dst, size_t cap, const char *src) { snprintf(dst, cap, "%s", src ? src : ""); }
+
+static int info_from_reply(const Detattn__V1__HelloReply *h, detattn_server_info *o) {
+  memset(o, 0, sizeof *o);
+  if (!h->model || !h->numerics || !h->limits)
+    return da_err(DETATTN_INTERNAL, "hello reply without model, numerics or limits");
+  const Detattn__V1__ModelConfig *m = h->model;
+  if (h->protocol_version != DETATTN_PROTOCOL_VERSION)
+    return da_err(DETATTN_FAILED_PRECONDITION, "daemon speaks protocol %u, this library protocol %d",
+                  h->protocol_version, DETATTN_PROTOCOL_VERSION);
+  if (m->n_layers == 0 || m->n_q_heads == 0 || m->n_kv_heads == 0 || m->head_dim == 0 ||
+      m->n_q_heads % m->n_kv_heads != 0 || m->page_tokens == 0 ||
+      (m->dtype != DETATTN__V1__DTYPE__DTYPE_BF16 && m->dtype != DETATTN__V1__DTYPE__DTYPE_FP16))
+    return da_err(DETATTN_INTERNAL,
+                  "hello reply with an invalid model (layers %u, q heads %u, kv heads %u, head_dim %u, dtype %d)",
+                  m->n_layers, m->n_q_heads, m->n_kv_heads, m->head_dim, (int)m->dtype);
+  copy_str(o->server_version, sizeof o->server_version, h->server_version);
+  o->protocol_version = h->protocol_version;
+  o->model.n_layers = m->n_layers;
+  o->model.n_q_heads = m->n_q_heads;
+  o->model.n_kv_heads = m->n_kv_heads;
+  o->model.head_dim = m->head_dim;
+  o->model.dtype = m->dtype == DETATTN__V1__DTYPE__DTYPE_FP16 ? DETATTN_FP16 : DETATTN_BF16;
+  o->model.scale = m->scale;
+  o->model.softcap = m->softcap;
+  o->model.window = m->window;
+  o->model.page_tokens = m->page_tokens;
+  copy_str(o->backend, sizeof o->backend, h->numerics->backend);
+  copy_str(o->arch, sizeof o->arch, h->numerics->arch);
+  o->kernel_version = h->numerics->kernel_version;
+  o->split_tokens = h->numerics->split_tokens;
+  o->tile_tokens = h->numerics->tile_tokens;
+  o->fingerprint = h->numerics->fingerprint;
+  o->max_message_bytes = h->limits->max_message_bytes;
+  o->max_tokens_per_request = h->limits->max_tokens_per_request;
+  o->kv_capacity_tokens = h->limits->kv_capacity_tokens;
+  o->kv_pages = h->limits->kv_pages;
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__Hello h = DETATTN__V1__HELLO__INIT;
+  Response *r;
+  detattn_server_info info;
+  int st;
+
+  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "hello: out is NULL");
+  h.protocol_version = DETATTN_PROTOCOL_VERSION;
+  h.client_name = "libdetattn";
+  rq.op_case = DETATTN__V1__REQUEST__OP_HELLO;
+  rq.hello = &h;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  st = info_from_reply(r->hello, &info);
+  detattn__v1__response__free_unpacked(r, NULL);
+  if (st != DETATTN_OK) return st;
+  da_client_set_info(c, &info);
+  *out = info;
+  return DETATTN_OK;
+}
+
+/* The model every Forward is checked against: Hello, once per connection. */
+static int get_info(detattn_client *c, detattn_server_info *out) {
+  if (da_client_get_info(c, out)) return DETATTN_OK;
+  return detattn_hello(c, out);
+}
+
+static void summary(const Detattn__V1__Summary *s, double *mean, double *p50, double *p99, double *max) {
+  if (!s) return;
+  if (mean) *mean = s->mean;
+  if (p50) *p50 = s->p50;
+  if (p99) *p99 = s->p99;
+  if (max) *max = s->max;
+}
+
+DETATTN_API int detattn_stats_get(detattn_client *c, detattn_stats *out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__Stats s = DETATTN__V1__STATS__INIT;
+  Response *r;
+  int st;
+
+  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "stats: out is NULL");
+  rq.op_case = DETATTN__V1__REQUEST__OP_STATS;
+  rq.stats = &s;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  const Detattn__V1__StatsReply *x = r->stats;
+  memset(out, 0, sizeof *out);
+  out->uptime_ms = x->uptime_ms;
+  out->requests = x->requests;
+  out->errors = x->errors;
+  for (size_t i = 0; i < x->n_ops; i++)
+    if (x->ops[i]->op && strcmp(x->ops[i]->op, "forward") == 0) out->forwards = x->ops[i]->ok;
+  out->forward_tokens = x->forward_tokens;
+  out->batches = x->batches;
+  summary(x->batch_tokens, &out->batch_tokens_mean, &out->batch_tokens_p50, &out->batch_tokens_p99,
+          &out->batch_tokens_max);
+  summary(x->batch_requests, &out->batch_requests_mean, NULL, NULL, &out->batch_requests_max);
+  summary(x->queue_us, &out->queue_us_mean, &out->queue_us_p50, &out->queue_us_p99, &out->queue_us_max);
+  out->inrow_items = x->inrow_rows;
+  out->partial_items = x->partial_rows;
+  out->kv_pages_total = x->kv_pages_total;
+  out->kv_pages_used = x->kv_pages_used;
+  out->kv_pages_free = x->kv_pages_free;
+  out->sequences = x->sequences;
+  out->clients = x->clients;
+  detattn__v1__response__free_unpacked(r, NULL);
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_seq_open(detattn_client *c, uint64_t *seq_out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqOpen o = DETATTN__V1__SEQ_OPEN__INIT;
+  Response *r;
+  int st;
+
+  if (!seq_out) return da_err(DETATTN_INVALID_ARGUMENT, "seq_open: seq_out is NULL");
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
+  rq.seq_open = &o;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  *seq_out = r->seq_open->seq;
+  detattn__v1__response__free_unpacked(r, NULL);
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_seq_fork(detattn_client *c, uint64_t src, uint64_t *seq_out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqFork f = DETATTN__V1__SEQ_FORK__INIT;
+  Response *r;
+  int st;
+
+  if (!seq_out) return da_err(DETATTN_INVALID_ARGUMENT, "seq_fork: seq_out is NULL");
+  f.src = src;
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_FORK;
+  rq.seq_fork = &f;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  *seq_out = r->seq_fork->seq;
+  detattn__v1__response__free_unpacked(r, NULL);
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_seq_truncate(detattn_client *c, uint64_t seq, uint32_t length) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqTruncate t = DETATTN__V1__SEQ_TRUNCATE__INIT;
+  Response *r;
+  int st;
+
+  t.seq = seq;
+  t.length = length;
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_TRUNCATE;
+  rq.seq_truncate = &t;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  detattn__v1__response__free_unpacked(r, NULL);
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_seq_close(detattn_client *c, uint64_t seq) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqClose x = DETATTN__V1__SEQ_CLOSE__INIT;
+  Response *r;
+  int st;
+
+  x.seq = seq;
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_CLOSE;
+  rq.seq_close = &x;
+  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
+  detattn__v1__response__free_unpacked(r, NULL);
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
+                                      detattn_call **out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
+  Detattn__V1__ForwardSeq *seqs = NULL, **ptrs = NULL;
+  da_call_out *outs = NULL;
+  detattn_server_info info;
+  detattn_call *k;
+  int st, want_lse = 0;
+
+  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "forward: out is NULL");
+  *out = NULL;
+  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "forward: client is NULL");
+  if (!items || n == 0) return da_err(DETATTN_INVALID_ARGUMENT, "forward: no sequences");
+  for (size_t i = 0; i < n; i++) {
+    const detattn_seq_io *it = &items[i];
+    if (it->n_tokens > 0 && (!it->q || !it->k || !it->v || !it->o))
+      return da_err(DETATTN_INVALID_ARGUMENT, "forward: item %zu has %u tokens but a NULL q, k, v or o", i,
+                    it->n_tokens);
+    if (it->lse) want_lse = 1;
+  }
+  if ((st = get_info(c, &info)) != DETATTN_OK) return st;
+  const detattn_model *m = &info.model;
+  uint64_t q_row = (uint64_t)m->n_q_heads * m->head_dim * 2, kv_row = (uint64_t)m->n_kv_heads * m->head_dim * 2;
+
+  seqs = calloc(n, sizeof *seqs);
+  ptrs = calloc(n, sizeof *ptrs);
+  outs = calloc(n, sizeof *outs);
+  if (!seqs || !ptrs || !outs) {
+    st = da_err(DETATTN_RESOURCE_EXHAUSTED, "forward: out of memory for %zu items", n);
+    goto done;
+  }
+  for (size_t i = 0; i < n; i++) {
+    const detattn_seq_io *it = &items[i];
+    Detattn__V1__ForwardSeq init = DETATTN__V1__FORWARD_SEQ__INIT;
+    seqs[i] = init;
+    seqs[i].seq = it->seq;
+    seqs[i].pos = it->pos;
+    seqs[i].n_tokens = it->n_tokens;
+    /* The pointers are only read while packing, before start_request returns. */
+    seqs[i].q = (ProtobufCBinaryData){(size_t)(it->n_tokens * q_row), (uint8_t *)(uintptr_t)it->q};
+    seqs[i].k = (ProtobufCBinaryData){(size_t)(it->n_tokens * kv_row), (uint8_t *)(uintptr_t)it->k};
+    seqs[i].v = (ProtobufCBinaryData){(size_t)(it->n_tokens * kv_row), (uint8_t *)(uintptr_t)it->v};
+    ptrs[i] = &seqs[i];
+    outs[i] = (da_call_out){it->n_tokens, it->o, it->lse};
+  }
+  f.layer = layer;
+  f.n_seqs = n;
+  f.seqs = ptrs;
+  f.want_lse = want_lse;
+  rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
+  rq.forward = &f;
+  if (info.max_message_bytes) {
+    size_t len = detattn__v1__request__get_packed_size(&rq);
+    if (len > info.max_message_bytes) {
+      st = da_err(DETATTN_RESOURCE_EXHAUSTED, "forward: request of %zu bytes exceeds the daemon's limit of %llu bytes",
+                  len, (unsigned long long)info.max_message_bytes);
+      goto done;
+    }
+  }
+  if ((st = start_request(c, &rq, &k)) != DETATTN_OK) goto done;
+  k->model = *m;
+  k->want_lse = want_lse;
+  k->n_out = n;
+  k->out = outs;
+  outs = NULL;
+  *out = k;
+done:
+  free(outs);
+  free(ptrs);
+  free(seqs);
+  return st;
+}
+
+/* Checks every output length of a Forward reply against the model before writing any. */
+static int check_forward_reply(const detattn_call *k, const Detattn__V1__ForwardReply *fr) {
+  const detattn_model *m = &k->model;
+  uint64_t o_row = (uint64_t)m->n_q_heads * m->head_dim * 2, lse_row = (uint64_t)m->n_q_heads * 4;
+
+  if (fr->n_seqs != k->n_out)
+    return da_err(DETATTN_INTERNAL, "forward reply has %zu sequences, the request %zu", fr->n_seqs, k->n_out);
+  for (size_t i = 0; i < k->n_out; i++) {
+    const Detattn__V1__ForwardSeqOut *so = fr->seqs[i];
+    uint64_t want_o = k->out[i].n_tokens * o_row, want_lse = k->want_lse ? k->out[i].n_tokens * lse_row : 0;
+    if (so->o.len != want_o)
+      return da_err(DETATTN_INTERNAL, "forward reply item %zu: o has %zu bytes, expected %llu", i, so->o.len,
+                    (unsigned long long)want_o);
+    if (so->lse.len != want_lse)
+      return da_err(DETATTN_INTERNAL, "forward reply item %zu: lse has %zu bytes, expected %llu", i, so->lse.len,
+                    (unsigned long long)want_lse);
+  }
+  return DETATTN_OK;
+}
+
+DETATTN_API int detattn_call_wait(detattn_call *k) {
+  Response *r;
+  int st;
+
+  if (!k) return da_err(DETATTN_INVALID_ARGUMENT, "call_wait: call is NULL");
+  if ((st = finish_response(k, &r)) != DETATTN_OK) goto done;
+  if ((st = check_forward_reply(k, r->forward)) == DETATTN_OK) {
+    for (size_t i = 0; i < k->n_out; i++) {
+      const Detattn__V1__ForwardSeqOut *so = r->forward->seqs[i];
+      if (so->o.len) memcpy(k->out[i].o, so->o.data, so->o.len);
+      if (k->out[i].lse && so->lse.len) memcpy(k->out[i].lse, so->lse.data, so->lse.len);
+    }
+  }
+  detattn__v1__response__free_unpacked(r, NULL);
+done:
+  da_call_free(k);
+  return st;
+}
+
+DETATTN_API int detattn_forward(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n) {
+  detattn_call *k;
+  int st;
+
+  if ((st = detattn_forward_start(c, layer, items, n, &k)) != DETATTN_OK) return st;
+  return detattn_call_wait(k);
+}
