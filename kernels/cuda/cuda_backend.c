@@ -1,7 +1,665 @@
-/* Placeholder until the CUDA backend lands. */
+/*
+ * cuda_backend.c — the CUDA backend's host side: pools (KV, accumulators, staging) taken
+ * once in create(), batch validation, the per-batch work list (attention items, combine
+ * items, appends, page copies), the stream and its ordering, error handling. Kernels are in
+ * the .cu files behind cuda_kernels.h.
+ *
+ * A batch runs on one stream: H2D of the staged inputs, page copies, appends, (poison),
+ * attention, combine, D2H of the outputs. Staging is double-buffered: consecutive batches
+ * alternate buffers, so a batch's host packing never waits for the previous copies.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
 #include "backend.h"
-static int available(void) { return 0; }
-static int create(void **ctx, const da_backend_cfg *cfg, da_backend_info *info, char *err, size_t errlen) { (void)ctx; (void)cfg; (void)info; (void)err; (void)errlen; return DETATTN_UNIMPLEMENTED; }
-static void destroy(void *ctx) { (void)ctx; }
-static int run(void *ctx, const da_batch *b, da_batch_result *res) { (void)ctx; (void)b; (void)res; return DETATTN_UNIMPLEMENTED; }
-const da_backend_ops da_cuda_backend_ops = { .name = "cuda", .available = available, .create = create, .destroy = destroy, .run = run };
+#include "cuda_backend.h"
+#include "cuda_kernels.h"
+
+#define KERNEL_VERSION 1u
+#define DEFAULT_ACC_SLOTS (1 << 18)
+#define DEFAULT_STAGING (64u << 20)
+#define ALIGN 256
+
+typedef struct cuda_ctx {
+  da_backend_cfg cfg;
+  int n_sm, dead;
+  cudaStream_t stream;
+  cudaEvent_t ev[3];
+  void *kv;
+  size_t kv_bytes;
+  int64_t page_bytes;
+  float *acc_o, *acc_lse;
+  size_t acc_bytes;
+  unsigned char *d_in[2], *d_out[2], *h_in[2], *h_out[2];
+  size_t stage_bytes;
+  int cur;
+  da_cu_args args;        /* the last prepared batch */
+  size_t out_used;        /* bytes of d_out the last batch wrote */
+  int64_t slots_used;
+  char arch[32];
+} cuda_ctx;
+
+/* Sticky errors leave the context unusable: the backend is dead from then on. */
+static int sticky(cudaError_t e) {
+  switch (e) {
+  case cudaErrorIllegalAddress:
+  case cudaErrorLaunchFailure:
+  case cudaErrorAssert:
+  case cudaErrorHardwareStackError:
+  case cudaErrorIllegalInstruction:
+  case cudaErrorMisalignedAddress:
+  case cudaErrorInvalidAddressSpace:
+  case cudaErrorInvalidPc:
+  case cudaErrorECCUncorrectable:
+  case cudaErrorLaunchTimeout:
+    return 1;
+  default:
+    return 0;
+  }
+}
+
+static int cuda_fail(cuda_ctx *c, cudaError_t e, const char *what, int line, char *err,
+                     size_t errlen) {
+  if (err != NULL && errlen > 0)
+    snprintf(err, errlen, "cuda: %s failed (line %d): %s", what, line, cudaGetErrorString(e));
+  if (c != NULL && sticky(e)) {
+    c->dead = 1;
+    return DETATTN_UNAVAILABLE;
+  }
+  if (e == cudaErrorMemoryAllocation) return DETATTN_RESOURCE_EXHAUSTED;
+  return DETATTN_INTERNAL;
+}
+
+/* Every CUDA call goes through CUDA_GOTO: on error it converts the status, writes the
+ * message and jumps to label. */
+#define CUDA_GOTO(c, call, label)                                            \
+  do {                                                                       \
+    cudaError_t e_ = (cudaError_t)(call);                                    \
+    if (e_ != cudaSuccess) {                                                 \
+      rv = cuda_fail((c), e_, #call, __LINE__, err, errlen);                 \
+      goto label;                                                            \
+    }                                                                        \
+  } while (0)
+
+static int available(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n > 0;
+}
+
+static void free_all(cuda_ctx *c) {
+  for (int i = 0; i < 2; i++) {
+    cudaFree(c->d_in[i]);
+    cudaFree(c->d_out[i]);
+    cudaFreeHost(c->h_in[i]);
+    cudaFreeHost(c->h_out[i]);
+  }
+  cudaFree(c->acc_o);
+  cudaFree(c->acc_lse);
+  cudaFree(c->kv);
+  for (int i = 0; i < 3; i++)
+    if (c->ev[i] != NULL) cudaEventDestroy(c->ev[i]);
+  if (c->stream != NULL) cudaStreamDestroy(c->stream);
+  free(c);
+}
+
+static int check_cfg(const da_backend_cfg *cfg, char *err, size_t errlen) {
+  char msg[200];
+  int rv = da_model_check(&cfg->model, &cfg->num, msg, sizeof(msg));
+  if (rv != 0) {
+    snprintf(err, errlen, "cuda: %s", msg);
+    return rv;
+  }
+  if (cfg->num.tile_tokens != DA_CU_TILE) {
+    snprintf(err, errlen, "cuda: tile_tokens must be %d (the kernels' fixed tile), got %d",
+             DA_CU_TILE, cfg->num.tile_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (cfg->page_tokens < 8 || cfg->page_tokens > 256 || (cfg->page_tokens & (cfg->page_tokens - 1))) {
+    snprintf(err, errlen, "cuda: page_tokens must be a power of two in [8, 256], got %d",
+             cfg->page_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (cfg->n_pages < 1 || cfg->acc_slots < 0) {
+    snprintf(err, errlen, "cuda: n_pages must be >= 1 and acc_slots >= 0 (got %d, %d)",
+             cfg->n_pages, cfg->acc_slots);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  return 0;
+}
+
+static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
+                  size_t errlen) {
+  int rv = check_cfg(cfg, err, errlen);
+  if (rv != 0) return rv;
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || cfg->device < 0 || cfg->device >= ndev) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cuda: device %d not present (%d devices)", cfg->device, ndev);
+    return DETATTN_UNAVAILABLE;
+  }
+  cuda_ctx *c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    snprintf(err, errlen, "cuda: out of host memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  c->cfg = *cfg;
+  struct cudaDeviceProp prop;
+  CUDA_GOTO(NULL, cudaSetDevice(cfg->device), fail);
+  CUDA_GOTO(NULL, cudaGetDeviceProperties(&prop, cfg->device), fail);
+  if (prop.major != 9 || prop.minor != 0) {
+    snprintf(err, errlen, "cuda: built for sm_90, device %d is sm_%d%d", cfg->device, prop.major,
+             prop.minor);
+    rv = DETATTN_UNAVAILABLE;
+    goto fail;
+  }
+  snprintf(c->arch, sizeof(c->arch), "sm_%d%d", prop.major, prop.minor);
+  c->n_sm = prop.multiProcessorCount;
+
+  const da_model *m = &cfg->model;
+  c->page_bytes = (int64_t)m->n_layers * 2 * m->n_kv_heads * cfg->page_tokens * m->head_dim * 2;
+  c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
+  int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
+  c->acc_bytes = (size_t)slots * (size_t)(m->head_dim + 1) * 4;
+  c->stage_bytes = cfg->staging_bytes > 0 ? cfg->staging_bytes : DEFAULT_STAGING;
+  c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
+
+  CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), fail);
+  for (int i = 0; i < 3; i++) CUDA_GOTO(NULL, cudaEventCreate(&c->ev[i]), fail);
+  CUDA_GOTO(NULL, cudaMalloc(&c->kv, c->kv_bytes), fail);
+  CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_o, (size_t)slots * m->head_dim * 4), fail);
+  CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_lse, (size_t)slots * 4), fail);
+  for (int i = 0; i < 2; i++) {
+    CUDA_GOTO(NULL, cudaMalloc((void **)&c->d_in[i], c->stage_bytes), fail);
+    CUDA_GOTO(NULL, cudaMalloc((void **)&c->d_out[i], c->stage_bytes), fail);
+    CUDA_GOTO(NULL, cudaHostAlloc((void **)&c->h_in[i], c->stage_bytes, cudaHostAllocDefault), fail);
+    CUDA_GOTO(NULL, cudaHostAlloc((void **)&c->h_out[i], c->stage_bytes, cudaHostAllocDefault), fail);
+  }
+  if (cfg->poison) {
+    CUDA_GOTO(NULL, da_cuda_fill(c->kv, c->kv_bytes / 4, 0, 0, 0, c->stream), fail);
+    CUDA_GOTO(NULL, da_cuda_fill(c->acc_o, (size_t)slots * m->head_dim, 0, 0, 0, c->stream), fail);
+    CUDA_GOTO(NULL, da_cuda_fill(c->acc_lse, (size_t)slots, 0, 0, 0, c->stream), fail);
+    for (int i = 0; i < 2; i++) {
+      CUDA_GOTO(NULL, da_cuda_fill(c->d_in[i], c->stage_bytes / 4, 0, 0, 0, c->stream), fail);
+      CUDA_GOTO(NULL, da_cuda_fill(c->d_out[i], c->stage_bytes / 4, 0, 0, 0, c->stream), fail);
+    }
+  }
+  CUDA_GOTO(NULL, cudaStreamSynchronize(c->stream), fail);
+
+  memset(info, 0, sizeof(*info));
+  snprintf(info->name, sizeof(info->name), "cuda");
+  snprintf(info->arch, sizeof(info->arch), "%s", c->arch);
+  info->kernel_version = KERNEL_VERSION;
+  info->fingerprint = da_fingerprint("cuda", KERNEL_VERSION, c->arch, m, &cfg->num);
+  info->n_pages = cfg->n_pages;
+  info->acc_slots = slots;
+  info->kv_bytes = c->kv_bytes;
+  info->acc_bytes = c->acc_bytes;
+  info->staging_bytes = 4 * c->stage_bytes;
+  /* Per token: q in and o out (worst case), k and v in, page ids, lse. */
+  size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
+  info->max_batch_tokens = (int)((c->stage_bytes / 2) / per_tok);
+  c->args.n_layers = m->n_layers;
+  *out = c;
+  return 0;
+
+fail:
+  free_all(c);
+  return rv;
+}
+
+static void destroy(void *ctx) {
+  if (ctx == NULL) return;
+  cuda_ctx *c = ctx;
+  cudaStreamSynchronize(c->stream);
+  free_all(c);
+}
+
+/* ---- batch validation ---------------------------------------------------------------- */
+
+static int check_pages(const cuda_ctx *c, const int32_t *pages, int n_pages, int64_t first_tok,
+                       int64_t end_tok, const char *what, int idx, char *err, size_t errlen) {
+  if (end_tok <= first_tok) return 0;
+  const int P = c->cfg.page_tokens;
+  const int64_t need = (end_tok + P - 1) / P;
+  if (pages == NULL || n_pages < need) {
+    snprintf(err, errlen, "%s %d: page table has %d pages, needs %lld", what, idx, n_pages,
+             (long long)need);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  for (int64_t i = first_tok / P; i < need; i++) {
+    if (pages[i] < 0 || pages[i] >= c->cfg.n_pages) {
+      snprintf(err, errlen, "%s %d: page id %d at index %lld outside the pool [0, %d)", what, idx,
+               pages[i], (long long)i, c->cfg.n_pages);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+  }
+  return 0;
+}
+
+static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, size_t errlen) {
+  const da_model *m = &c->cfg.model;
+  if (b->n_copies < 0 || b->n_appends < 0 || b->n_attns < 0 ||
+      (b->n_copies > 0 && b->copies == NULL) || (b->n_appends > 0 && b->appends == NULL) ||
+      (b->n_attns > 0 && b->attns == NULL)) {
+    snprintf(err, errlen, "batch: negative count or NULL array");
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (b->split_mode < DA_SPLIT_AUTO || b->split_mode > DA_SPLIT_PARTIAL) {
+    snprintf(err, errlen, "batch: unknown split mode %d", (int)b->split_mode);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  for (int i = 0; i < b->n_copies; i++) {
+    const da_page_copy *pc = &b->copies[i];
+    if (pc->src < 0 || pc->src >= c->cfg.n_pages || pc->dst < 0 || pc->dst >= c->cfg.n_pages ||
+        pc->src == pc->dst) {
+      snprintf(err, errlen, "copy %d: pages %d -> %d invalid (pool has %d)", i, pc->src, pc->dst,
+               c->cfg.n_pages);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+  }
+  for (int i = 0; i < b->n_appends; i++) {
+    const da_append *a = &b->appends[i];
+    if (a->layer < 0 || a->layer >= m->n_layers || a->pos < 0 || a->n_tokens < 0 ||
+        (int64_t)a->pos + a->n_tokens > INT32_MAX / 2 ||
+        (a->n_tokens > 0 && (a->k == NULL || a->v == NULL))) {
+      snprintf(err, errlen, "append %d: bad layer %d, pos %d, n_tokens %d or NULL k/v", i, a->layer,
+               a->pos, a->n_tokens);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    int rv = check_pages(c, a->pages, a->n_pages, a->pos, (int64_t)a->pos + a->n_tokens, "append",
+                         i, err, errlen);
+    if (rv != 0) return rv;
+  }
+  for (int i = 0; i < b->n_attns; i++) {
+    const da_attn *a = &b->attns[i];
+    if (a->layer < 0 || a->layer >= m->n_layers || a->q_pos < 0 || a->n_q < 0 ||
+        (int64_t)a->q_pos + a->n_q > INT32_MAX / 2 ||
+        (a->n_q > 0 && ((a->q == NULL && !bench) || (a->o == NULL && !bench)))) {
+      snprintf(err, errlen, "attn %d: bad layer %d, q_pos %d, n_q %d or NULL q/o", i, a->layer,
+               a->q_pos, a->n_q);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    int64_t w0 = m->window > 0 ? a->q_pos - m->window + 1 : 0;
+    if (w0 < 0) w0 = 0;
+    int rv = check_pages(c, a->pages, a->n_pages, w0, (int64_t)a->q_pos + a->n_q, "attn", i, err,
+                         errlen);
+    if (rv != 0) return rv;
+  }
+  return 0;
+}
+
+/* ---- work list ----------------------------------------------------------------------- */
+
+typedef struct plan {
+  int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
+  int max_append_tokens;
+  int64_t inrow_rows, partial_rows;
+  unsigned char *partial; /* per attn: 1 when run as partials */
+  size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_q, off_kvin, in_bytes;
+  size_t off_o, off_lse, out_bytes;
+} plan;
+
+static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* The kv-head-independent block ranges of an attention: blocks of 64 rows; returns the
+ * number of blocks and, for block bi, its split range [j0, j1). */
+static void block_splits(const cuda_ctx *c, const da_attn *a, int S, int64_t row0, int *j0, int *j1) {
+  const da_model *m = &c->cfg.model;
+  const int G = m->n_q_heads / m->n_kv_heads;
+  const int64_t n_rows = (int64_t)a->n_q * G;
+  int64_t last = row0 + DA_CU_BLOCK_ROWS;
+  if (last > n_rows) last = n_rows;
+  const int64_t p_min = a->q_pos + row0 / G, p_max = a->q_pos + (last - 1) / G;
+  int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
+  if (w0 < 0) w0 = 0;
+  *j0 = (int)(w0 / S);
+  *j1 = (int)(p_max / S) + 1;
+}
+
+static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
+  const da_model *m = &c->cfg.model;
+  const int G = m->n_q_heads / m->n_kv_heads, P = c->cfg.page_tokens;
+  int64_t inrow_ctas = 0;
+  for (int i = 0; i < b->n_attns; i++)
+    inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, DA_CU_BLOCK_ROWS) * m->n_kv_heads;
+  int64_t slots_free = c->acc_bytes / ((size_t)(m->head_dim + 1) * 4);
+  const int64_t busy = 4 * (int64_t)c->n_sm;
+
+  for (int i = 0; i < b->n_attns; i++) {
+    const da_attn *a = &b->attns[i];
+    const int64_t end = (int64_t)a->q_pos + a->n_q;
+    const int64_t nsp = ceil_div(end, S);
+    int64_t w0 = m->window > 0 ? a->q_pos - m->window + 1 : 0;
+    if (w0 < 0) w0 = 0;
+    const int multi = a->n_q > 0 && (end - 1) / S > w0 / S;
+    const int64_t need = (int64_t)a->n_q * m->n_q_heads * nsp;
+    int part = 0;
+    if (multi && need <= slots_free) {
+      if (b->split_mode == DA_SPLIT_PARTIAL) part = 1;
+      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = 1;
+    }
+    pl->partial[i] = (unsigned char)part;
+    if (part) slots_free -= need, pl->slots += need;
+    const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
+    if (part) pl->partial_rows += rows;
+    else pl->inrow_rows += rows;
+    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
+      int j0, j1;
+      block_splits(c, a, S, r0, &j0, &j1);
+      pl->n_items += (int64_t)m->n_kv_heads * (part ? j1 - j0 : 1);
+    }
+    if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
+    if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
+    pl->n_q_el += rows * m->head_dim;
+    pl->n_o_el += rows * m->head_dim;
+    if (a->lse != NULL) pl->n_lse += rows;
+  }
+  for (int i = 0; i < b->n_appends; i++) {
+    const da_append *a = &b->appends[i];
+    if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
+    pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
+    if (a->n_tokens > pl->max_append_tokens) pl->max_append_tokens = a->n_tokens;
+  }
+  size_t o = 0;
+  pl->off_attn = o, o = up(o + (size_t)b->n_attns * sizeof(da_cu_attn));
+  pl->off_item = o, o = up(o + (size_t)pl->n_items * sizeof(da_cu_item));
+  pl->off_citem = o, o = up(o + (size_t)pl->n_citems * sizeof(da_cu_citem));
+  pl->off_app = o, o = up(o + (size_t)b->n_appends * sizeof(da_cu_append));
+  pl->off_copy = o, o = up(o + (size_t)b->n_copies * 2 * sizeof(int32_t));
+  pl->off_pt = o, o = up(o + (size_t)pl->n_pt * sizeof(int32_t));
+  pl->off_q = o, o = up(o + (size_t)pl->n_q_el * 2);
+  pl->off_kvin = o, o = up(o + (size_t)pl->n_kv_el * 2);
+  pl->in_bytes = o;
+  o = 0;
+  pl->off_o = o, o = up(o + (size_t)pl->n_o_el * 2);
+  pl->off_lse = o, o = up(o + (size_t)pl->n_lse * 4);
+  pl->out_bytes = o;
+}
+
+/* Packs the batch into the pinned buffer h (layout of pl) and fills c->args. Queries of
+ * attns with q == NULL are left for the caller to fill on the device. */
+static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned char *h,
+                 unsigned char *d, unsigned char *dout) {
+  const da_model *m = &c->cfg.model;
+  const int G = m->n_q_heads / m->n_kv_heads, P = c->cfg.page_tokens;
+  da_cu_attn *ats = (da_cu_attn *)(h + pl->off_attn);
+  da_cu_item *its = (da_cu_item *)(h + pl->off_item);
+  da_cu_citem *cis = (da_cu_citem *)(h + pl->off_citem);
+  da_cu_append *aps = (da_cu_append *)(h + pl->off_app);
+  int32_t *cps = (int32_t *)(h + pl->off_copy);
+  int32_t *pts = (int32_t *)(h + pl->off_pt);
+  uint16_t *qs = (uint16_t *)(h + pl->off_q);
+  uint16_t *kvs = (uint16_t *)(h + pl->off_kvin);
+  int64_t pt = 0, q = 0, o = 0, lse = 0, slot = 0, kvo = 0, n_it = 0, n_ci = 0;
+
+  /* In-row items first: they are the long ones, so they start in the first wave. */
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < b->n_attns; i++) {
+      const da_attn *a = &b->attns[i];
+      if (pl->partial[i] != pass) continue;
+      for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
+        int j0, j1;
+        block_splits(c, a, S, r0, &j0, &j1);
+        for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
+          if (!pass) {
+            its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
+          } else {
+            for (int j = j0; j < j1; j++) its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + 1};
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < b->n_attns; i++) {
+    const da_attn *a = &b->attns[i];
+    const int64_t end = (int64_t)a->q_pos + a->n_q, rows = (int64_t)a->n_q * m->n_q_heads;
+    da_cu_attn *at = &ats[i];
+    memset(at, 0, sizeof(*at));
+    at->layer = a->layer, at->q_pos = a->q_pos, at->n_q = a->n_q, at->n_pages = a->n_pages;
+    at->n_splits = (int32_t)ceil_div(end, S);
+    at->pt_off = pt;
+    if (a->n_q > 0) {
+      /* Entries before the window may be anything; only [w0 page, end) are read. */
+      const int64_t np = ceil_div(end, P);
+      for (int64_t k = 0; k < np; k++) pts[pt + k] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
+      pt += np;
+    }
+    at->q_off = q;
+    if (a->q != NULL) memcpy(qs + q, a->q, (size_t)rows * m->head_dim * 2);
+    q += rows * m->head_dim;
+    at->o_off = o;
+    o += rows * m->head_dim;
+    at->lse_off = a->lse != NULL ? lse : -1;
+    if (a->lse != NULL) lse += rows;
+    at->slot_base = pl->partial[i] ? slot : -1;
+    if (pl->partial[i]) {
+      slot += rows * at->n_splits;
+      for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) cis[n_ci++] = (da_cu_citem){i, (int32_t)r};
+    }
+  }
+  for (int i = 0; i < b->n_appends; i++) {
+    const da_append *a = &b->appends[i];
+    const int64_t el = (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
+    da_cu_append *ap = &aps[i];
+    memset(ap, 0, sizeof(*ap));
+    ap->layer = a->layer, ap->pos = a->pos, ap->n_tokens = a->n_tokens;
+    ap->pt_off = pt;
+    if (a->n_tokens > 0) {
+      const int64_t np = ceil_div((int64_t)a->pos + a->n_tokens, P);
+      for (int64_t k = 0; k < np; k++) pts[pt + k] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
+      pt += np;
+      memcpy(kvs + kvo, a->k, (size_t)el * 2);
+      memcpy(kvs + kvo + el, a->v, (size_t)el * 2);
+    }
+    ap->k_off = kvo, ap->v_off = kvo + el;
+    kvo += 2 * el;
+  }
+  for (int i = 0; i < b->n_copies; i++) cps[2 * i] = b->copies[i].src, cps[2 * i + 1] = b->copies[i].dst;
+
+  da_cu_args *g = &c->args;
+  g->kv = c->kv;
+  g->acc_o = c->acc_o, g->acc_lse = c->acc_lse;
+  g->pages = (const int32_t *)(d + pl->off_pt);
+  g->attns = (const da_cu_attn *)(d + pl->off_attn);
+  g->items = (const da_cu_item *)(d + pl->off_item);
+  g->citems = (const da_cu_citem *)(d + pl->off_citem);
+  g->appends = (const da_cu_append *)(d + pl->off_app);
+  g->q = d + pl->off_q;
+  g->kvin = d + pl->off_kvin;
+  g->o = dout + pl->off_o;
+  g->lse = (float *)(dout + pl->off_lse);
+  g->n_items = (int)pl->n_items, g->n_citems = (int)pl->n_citems, g->n_appends = b->n_appends;
+  g->max_append_tokens = pl->max_append_tokens;
+  g->n_layers = m->n_layers, g->n_q_heads = m->n_q_heads, g->n_kv_heads = m->n_kv_heads;
+  g->head_dim = m->head_dim, g->page_tokens = P;
+  g->page_shift = 0;
+  while ((1 << g->page_shift) < P) g->page_shift++;
+  g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
+  g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
+  g->softcap = m->softcap > 0.0f;
+  g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
+  g->cap_out_log2 = g->softcap ? (float)((double)m->softcap * 1.4426950408889634) : 0.0f;
+}
+
+/* Page copies in order: a copy that touches a page an earlier pending copy wrote or read
+ * starts a new launch. */
+static int run_copies(cuda_ctx *c, const da_batch *b, const int32_t *dpairs, char *err, size_t errlen) {
+  int rv = 0, start = 0;
+  for (int i = 1; i <= b->n_copies; i++) {
+    int dep = 0;
+    for (int k = start; k < i && i < b->n_copies; k++) {
+      const da_page_copy *x = &b->copies[k], *y = &b->copies[i];
+      if (x->dst == y->src || x->dst == y->dst || x->src == y->dst) dep = 1;
+    }
+    if (dep || i == b->n_copies) {
+      CUDA_GOTO(c, da_cuda_page_copy(c->kv, c->page_bytes, dpairs + 2 * start, i - start, c->stream), fail);
+      start = i;
+    }
+  }
+fail:
+  return rv;
+}
+
+/* Stages a batch and enqueues copies, appends and the accumulator poison; leaves the
+ * attention launch to the caller. */
+static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_seed, plan *pl,
+                 char *err, size_t errlen) {
+  int rv = validate(c, b, bench, err, errlen);
+  if (rv != 0) return rv;
+  memset(pl, 0, sizeof(*pl));
+  pl->partial = calloc((size_t)b->n_attns + 1, 1);
+  if (pl->partial == NULL) {
+    snprintf(err, errlen, "cuda: out of host memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  plan_batch(c, b, S, pl);
+  if (pl->in_bytes > c->stage_bytes || pl->out_bytes > c->stage_bytes) {
+    snprintf(err, errlen, "batch needs %zu bytes of input and %zu of output staging, have %zu each",
+             pl->in_bytes, pl->out_bytes, c->stage_bytes);
+    rv = DETATTN_RESOURCE_EXHAUSTED;
+    goto fail;
+  }
+  c->cur ^= 1;
+  unsigned char *h = c->h_in[c->cur], *d = c->d_in[c->cur];
+  /* The other buffer's last copies may still be in flight only if a run failed midway. */
+  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+  pack(c, b, S, pl, h, d, c->d_out[c->cur]);
+  size_t h2d = bench ? pl->off_q : pl->in_bytes;
+  CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->stream), fail);
+  if (bench && pl->n_q_el > 0)
+    CUDA_GOTO(c, da_cuda_fill(d + pl->off_q, (size_t)pl->n_q_el, 1, c->args.bf16, q_seed, c->stream), fail);
+  rv = run_copies(c, b, (const int32_t *)(d + pl->off_copy), err, errlen);
+  if (rv != 0) goto fail;
+  CUDA_GOTO(c, da_cuda_append(&c->args, c->stream), fail);
+  if (c->cfg.poison) {
+    CUDA_GOTO(c, da_cuda_fill(c->acc_o, (size_t)pl->slots * c->args.head_dim, 0, 0, 0, c->stream), fail);
+    CUDA_GOTO(c, da_cuda_fill(c->acc_lse, (size_t)pl->slots, 0, 0, 0, c->stream), fail);
+    CUDA_GOTO(c, da_cuda_fill(c->d_out[c->cur], pl->out_bytes / 4, 0, 0, 0, c->stream), fail);
+  }
+  c->out_used = pl->out_bytes;
+  c->slots_used = pl->slots;
+  return 0;
+fail:
+  free(pl->partial);
+  pl->partial = NULL;
+  return rv;
+}
+
+static int run(void *ctx, const da_batch *b, da_batch_result *res) {
+  cuda_ctx *c = ctx;
+  char *err = res->err;
+  size_t errlen = sizeof(res->err);
+  if (c->dead) {
+    snprintf(err, errlen, "cuda: the device hit a sticky error earlier; backend unavailable");
+    return DETATTN_UNAVAILABLE;
+  }
+  plan pl;
+  int rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &pl, err, errlen);
+  if (rv != 0) return rv;
+  const da_model *m = &c->cfg.model;
+  unsigned char *hout = c->h_out[c->cur];
+  CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+  CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  if (pl.out_bytes > 0)
+    CUDA_GOTO(c, cudaMemcpyAsync(hout, c->d_out[c->cur], pl.out_bytes, cudaMemcpyDeviceToHost, c->stream), fail);
+  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+  int64_t o = 0, lse = 0;
+  for (int i = 0; i < b->n_attns; i++) {
+    const da_attn *a = &b->attns[i];
+    const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
+    memcpy(a->o, hout + pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
+    o += rows * m->head_dim;
+    if (a->lse != NULL) {
+      memcpy(a->lse, hout + pl.off_lse + (size_t)lse * 4, (size_t)rows * 4);
+      lse += rows;
+    }
+  }
+  res->inrow_rows = pl.inrow_rows;
+  res->partial_rows = pl.partial_rows;
+fail:
+  free(pl.partial);
+  return rv;
+}
+
+/* ---- bench hooks --------------------------------------------------------------------- */
+
+int da_cuda_bench_fill_kv(void *ctx, uint64_t seed) {
+  cuda_ctx *c = ctx;
+  char err[8];
+  size_t errlen = sizeof(err);
+  int rv = 0;
+  CUDA_GOTO(c, da_cuda_fill(c->kv, c->kv_bytes / 2, 1, c->cfg.model.dtype == DA_BF16, seed, c->stream), fail);
+  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+fail:
+  return rv;
+}
+
+int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64_t q_seed,
+                          da_batch_result *res) {
+  cuda_ctx *c = ctx;
+  char *err = res->err;
+  size_t errlen = sizeof(res->err);
+  int S = split_tokens > 0 ? split_tokens : c->cfg.num.split_tokens;
+  if (S % DA_CU_TILE != 0) {
+    snprintf(err, errlen, "split_tokens %d is not a multiple of %d", S, DA_CU_TILE);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  plan pl;
+  int rv = stage(c, b, S, 1, q_seed, &pl, err, errlen);
+  if (rv != 0) return rv;
+  res->inrow_rows = pl.inrow_rows;
+  res->partial_rows = pl.partial_rows;
+  free(pl.partial);
+  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+fail:
+  return rv;
+}
+
+int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double *ms_combine,
+                       int *n_sm) {
+  cuda_ctx *c = ctx;
+  char err[256];
+  size_t errlen = sizeof(err);
+  int rv = 0;
+  float t_a = 0.0f, t_c = 0.0f;
+  double sa = 0.0, sc = 0.0;
+  for (int i = 0; i < warmup; i++) {
+    CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+    CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  }
+  for (int i = 0; i < iters; i++) {
+    CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
+    CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+    CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
+    CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+    CUDA_GOTO(c, cudaEventRecord(c->ev[2], c->stream), fail);
+    CUDA_GOTO(c, cudaEventSynchronize(c->ev[2]), fail);
+    CUDA_GOTO(c, cudaEventElapsedTime(&t_a, c->ev[0], c->ev[1]), fail);
+    CUDA_GOTO(c, cudaEventElapsedTime(&t_c, c->ev[1], c->ev[2]), fail);
+    sa += t_a, sc += t_c;
+  }
+  *ms_attn = iters > 0 ? sa / iters : 0.0;
+  *ms_combine = iters > 0 ? sc / iters : 0.0;
+  *n_sm = c->n_sm;
+  return 0;
+fail:
+  fprintf(stderr, "%s\n", err);
+  return rv;
+}
+
+const da_backend_ops da_cuda_backend_ops = {
+    .name = "cuda",
+    .available = available,
+    .create = create,
+    .destroy = destroy,
+    .run = run,
+};

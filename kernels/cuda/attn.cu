@@ -1,0 +1,324 @@
+/*
+ * attn.cu — paged split-KV attention on tensor cores (mma.sync m16n8k16, bf16/fp16 in,
+ * fp32 accumulate) for mixed batches: every CTA takes one work item (attention request,
+ * kv head, 64 packed rows, split range) from the list the backend built, so decode rows and
+ * prefill rows run in the same launch through the same per-row arithmetic.
+ *
+ * Per warp: 16 rows. Per tile of T = 64 keys: S = Q K^T (k-order over head_dim ascending,
+ * in steps of 16), mask, da_tile_update, acc = alpha * acc + P V (k-order over keys
+ * ascending, in steps of 16). A row's keys are never split across warps. K/V tiles are
+ * shared by the CTA's four warps, double-buffered with cp.async; keys outside the block's
+ * key range are zero-filled so padding never reaches the arithmetic.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "cuda_kernels.h"
+#include "numerics.cuh"
+
+namespace {
+
+constexpr int BM = DA_CU_BLOCK_ROWS;
+constexpr int BN = DA_CU_TILE;
+constexpr int NTS = BN / 8; /* n8 fragments per score tile */
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* Byte offset of 16-byte chunk c of row r in a [rows][D] tile, XOR-swizzled over 8 rows. */
+template <int D>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return (uint32_t)(r * D * 2 + ((c ^ (r & 7)) << 4));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+  }
+}
+
+struct row_info {
+  int valid, t, h, p, w0, jf, jl;
+};
+
+__device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_attn &at, int kvh,
+                                             int r) {
+  const int G = a.n_q_heads / a.n_kv_heads;
+  row_info ri;
+  ri.valid = r < at.n_q * G;
+  ri.t = r / G;
+  ri.h = kvh * G + r % G;
+  ri.p = at.q_pos + ri.t;
+  ri.w0 = a.window > 0 ? max(0, ri.p - a.window + 1) : 0;
+  ri.jf = ri.w0 / a.split_tokens;
+  ri.jl = ri.p / a.split_tokens;
+  return ri;
+}
+
+template <int D, bool BF16>
+__global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a) {
+  constexpr int NTD = D / 8;   /* n8 fragments over head_dim */
+  constexpr int CH = D / 8;    /* 16-byte chunks per row */
+  constexpr int TILE_B = BN * D * 2;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char *qs = smem;
+  unsigned char *ks = smem + BM * D * 2;  /* [2][BN][D] */
+  unsigned char *vs = ks + 2 * TILE_B;    /* [2][BN][D] */
+  float *fold = reinterpret_cast<float *>(vs + 2 * TILE_B); /* [4][NTD][4][32] */
+
+  const da_cu_item it = a.items[blockIdx.x];
+  const da_cu_attn at = a.attns[it.attn];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = a.n_q_heads / a.n_kv_heads;
+  const int n_rows = at.n_q * G;
+  const int rlast = min(it.row0 + BM, n_rows) - 1;
+
+  /* The block's key range: [w0 of its first row, p of its last row]. */
+  const int p_min = at.q_pos + it.row0 / G, p_max = at.q_pos + rlast / G;
+  const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+  const int tps = a.split_tokens / BN;
+  const int kt_begin = max(w0_min / BN, it.j0 * tps);
+  const int kt_end = min(p_max / BN, it.j1 * tps - 1);
+
+  const int64_t slab = (int64_t)a.page_tokens * D;
+  const int64_t page_elems = (int64_t)a.n_layers * 2 * a.n_kv_heads * slab;
+  const int64_t kv_base = ((int64_t)at.layer * 2 * a.n_kv_heads + it.kv_head) * slab;
+  const int32_t *pt = a.pages + at.pt_off;
+  const uint16_t *kv = static_cast<const uint16_t *>(a.kv);
+
+  /* Q rows of the block, zero-filled past the last row. */
+  {
+    const uint16_t *q = static_cast<const uint16_t *>(a.q) + at.q_off;
+    for (int i = tid; i < BM * CH; i += DA_CU_THREADS) {
+      const int r = i / CH, c = i % CH, gr = it.row0 + r;
+      const bool ok = gr < n_rows;
+      const int t = gr / G, h = it.kv_head * G + gr % G;
+      const uint16_t *src = ok ? q + ((int64_t)t * a.n_q_heads + h) * D + c * 8 : q;
+      cp_async16(smem_u32(qs) + swz<D>(r, c), src, ok);
+    }
+  }
+  auto load_tile = [&](int kt, int stage) {
+    const uint32_t kd = smem_u32(ks + stage * TILE_B), vd = smem_u32(vs + stage * TILE_B);
+    for (int i = tid; i < BN * CH; i += DA_CU_THREADS) {
+      const int r = i / CH, c = i % CH, kp = kt * BN + r;
+      const bool ok = kp >= w0_min && kp <= p_max;
+      const uint16_t *ksrc = kv, *vsrc = kv;
+      if (ok) {
+        const int64_t off = (int64_t)pt[kp >> a.page_shift] * page_elems + kv_base +
+                            (int64_t)(kp & (a.page_tokens - 1)) * D + c * 8;
+        ksrc = kv + off;
+        vsrc = kv + off + a.n_kv_heads * slab;
+      }
+      cp_async16(kd + swz<D>(r, c), ksrc, ok);
+      cp_async16(vd + swz<D>(r, c), vsrc, ok);
+    }
+  };
+  load_tile(kt_begin, 0);
+  cp_commit();
+
+  /* This thread's two rows: g and g + 8 of the warp's 16. */
+  const int g = lane >> 2, qd = lane & 3;
+  row_info ri[2];
+  ri[0] = make_row(a, at, it.kv_head, it.row0 + warp * 16 + g);
+  ri[1] = make_row(a, at, it.kv_head, it.row0 + warp * 16 + g + 8);
+  const bool warp_active = it.row0 + warp * 16 < n_rows;
+  const bool partial = at.slot_base >= 0;
+
+  float acc[NTD][4];
+  float fold_lse[2] = {0.0f, 0.0f};
+  da_row_state st;
+  float *myfold = fold + warp * NTD * 4 * 32 + lane;
+
+  for (int kt = kt_begin; kt <= kt_end; kt++) {
+    const int i = kt - kt_begin;
+    if (kt < kt_end) {
+      load_tile(kt + 1, (i + 1) & 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const int j = kt / tps;
+    if (kt == kt_begin || kt % tps == 0) {
+      da_state_reset(st);
+#pragma unroll
+      for (int n = 0; n < NTD; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    }
+    if (warp_active) {
+      const uint32_t kb = smem_u32(ks + (i & 1) * TILE_B), vb = smem_u32(vs + (i & 1) * TILE_B);
+      const uint32_t qb = smem_u32(qs);
+      float s[NTS][4];
+#pragma unroll
+      for (int n = 0; n < NTS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t qa[4];
+        ldsm_x4(qa, qb + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+        for (int np = 0; np < NTS / 2; np++) {
+          uint32_t kf[4];
+          ldsm_x4(kf, kb + swz<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+          mma16816<BF16>(s[2 * np], qa, kf[0], kf[1]);
+          mma16816<BF16>(s[2 * np + 1], qa, kf[2], kf[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < NTS; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const row_info &r = ri[e >> 1];
+          const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
+          const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
+          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
+                       : -INFINITY;
+        }
+      }
+      float alpha[2];
+      da_tile_update<NTS>(s, st, alpha);
+#pragma unroll
+      for (int n = 0; n < NTD; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+      }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; kc++) {
+        uint32_t pa[4];
+        pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; dp++) {
+          uint32_t vf[4];
+          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+          mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
+          mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
+        }
+      }
+    }
+    if (warp_active && (kt == kt_end || (kt + 1) % tps == 0)) {
+      /* Split j is complete for every row of the block: finalize and fold or write. */
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const row_info &w = ri[r];
+        if (!w.valid || j < w.jf || j > w.jl) continue;
+        const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
+        if (partial) {
+          const int64_t slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
+          float *dst = a.acc_o + slot * D + qd * 2;
+#pragma unroll
+          for (int n = 0; n < NTD; n++) {
+            float2 v;
+            v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
+            v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+            *reinterpret_cast<float2 *>(dst + n * 8) = v;
+          }
+          if (qd == 0) a.acc_lse[slot] = lse_j;
+        } else if (j == w.jf) {
+#pragma unroll
+          for (int n = 0; n < NTD; n++) {
+            myfold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
+            myfold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+          }
+          fold_lse[r] = lse_j;
+        } else {
+          const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
+#pragma unroll
+          for (int n = 0; n < NTD; n++) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; e++) {
+              float *f = &myfold[(n * 4 + e) * 32];
+              *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], st.l[r]));
+            }
+          }
+          fold_lse[r] = mw.lse;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if (partial || !warp_active) return;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const row_info &w = ri[r];
+    if (!w.valid) continue;
+    const int64_t row = (int64_t)w.t * a.n_q_heads + w.h;
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
+#pragma unroll
+    for (int n = 0; n < NTD; n++)
+      dst[n * 4] = pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
+    if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
+  }
+}
+
+template <int D, bool BF16>
+cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
+  const size_t smem = (size_t)BM * D * 2 + 4 * (size_t)BN * D * 2 + 4 * (D / 8) * 4 * 32 * 4;
+  cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e != cudaSuccess) return e;
+  attn_kernel<D, BF16><<<a->n_items, DA_CU_THREADS, smem, stream>>>(*a);
+  return cudaGetLastError();
+}
+
+} // namespace
+
+extern "C" int da_cuda_attn(const da_cu_args *a, cudaStream_t stream) {
+  if (a->n_items == 0) return 0;
+  switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
+  case 64 * 2 + 1: return (int)launch<64, true>(a, stream);
+  case 64 * 2: return (int)launch<64, false>(a, stream);
+  case 128 * 2 + 1: return (int)launch<128, true>(a, stream);
+  case 128 * 2: return (int)launch<128, false>(a, stream);
+  case 256 * 2 + 1: return (int)launch<256, true>(a, stream);
+  case 256 * 2: return (int)launch<256, false>(a, stream);
+  }
+  return (int)cudaErrorInvalidValue;
+}

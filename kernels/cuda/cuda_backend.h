@@ -1,0 +1,31 @@
+/*
+ * cuda_backend.h — benchmark hooks of the CUDA backend (clients/bench only). The backend
+ * itself is reached through da_cuda_backend_ops (kernels/backend.h); these functions take
+ * the ctx that da_cuda_backend_ops.create returned. Not thread-safe; one caller.
+ */
+#ifndef DA_CUDA_BACKEND_H
+#define DA_CUDA_BACKEND_H
+
+#include <stdint.h>
+
+#include "backend.h"
+
+/* Fills the whole KV pool on the device with values from seed (no host transfer). */
+int da_cuda_bench_fill_kv(void *ctx, uint64_t seed);
+
+/*
+ * Stages batch b (attns only; an attn with q == NULL gets queries filled on the device from
+ * q_seed; o and lse are not copied back) and builds its work list in b->split_mode, with
+ * split size split_tokens (0: the configured S; another multiple of 64 gives the
+ * occupancy-chosen comparison mode, bench only). Nothing runs yet.
+ */
+int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64_t q_seed,
+                          da_batch_result *res);
+
+/* Replays the prepared attention and combine kernels: warmup runs, then iters timed runs
+ * with CUDA events; the mean ms per run of the attention kernel and of the combine kernel.
+ * n_sm: the device's SM count. */
+int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double *ms_combine,
+                       int *n_sm);
+
+#endif /* DA_CUDA_BACKEND_H */

@@ -1,0 +1,106 @@
+/*
+ * cuda_kernels.h — the C interface of the CUDA kernels (the .cu files in kernels/cuda): plain structs
+ * that describe one batch on the device, and one extern "C" launcher per .cu file. The
+ * launchers only enqueue work on the given stream and return the launch status
+ * (cudaError_t as int, 0 on success); they never allocate or synchronise.
+ *
+ * KV pool layout (elements of the model dtype), page-major so that a page copy is one
+ * contiguous block and a (page, layer, K|V, kv head) slab holds page_tokens rows of
+ * head_dim contiguous elements:
+ *   kv[page][layer][2 (K, V)][n_kv_heads][page_tokens][head_dim]
+ * Accumulator pool: acc_o[slot][head_dim] fp32 and acc_lse[slot] fp32 (log2 domain).
+ *
+ * Rows: an attention item of n_q query tokens has n_q * n_q_heads rows. For one kv head,
+ * its G = n_q_heads / n_kv_heads q heads and the tokens are packed as the linear row index
+ * r = t * G + g (q head kvh * G + g); a CTA takes DA_CU_BLOCK_ROWS consecutive rows.
+ */
+#ifndef DA_CUDA_KERNELS_H
+#define DA_CUDA_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
+#define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
+#define DA_CU_THREADS 128
+#define DA_CU_COMBINE_ROWS 4 /* rows per combine CTA: one warp each */
+
+/* One attention request of the batch. Offsets are in elements of their buffer. */
+typedef struct da_cu_attn {
+  int32_t layer, q_pos, n_q, n_pages;
+  int64_t pt_off;    /* first page id in da_cu_args.pages */
+  int64_t q_off;     /* q: [n_q][n_q_heads][head_dim] at q + q_off */
+  int64_t o_off;     /* o: same shape at o + o_off */
+  int64_t lse_off;   /* lse: [n_q][n_q_heads] at lse + lse_off, or -1 */
+  int64_t slot_base; /* partial mode: slot of (t, h, j) = slot_base + (t*Hq + h)*n_splits + j; -1: in-row */
+  int32_t n_splits;  /* splits covering [0, q_pos + n_q) */
+  int32_t pad_;
+} da_cu_attn;
+
+/* One CTA of the attention kernel: rows [row0, row0 + 64) of (attn, kv_head), splits
+ * [j0, j1). In-row items cover every split their rows touch; partial items one split. */
+typedef struct da_cu_item {
+  int32_t attn, kv_head, row0, j0, j1;
+} da_cu_item;
+
+/* One CTA of the combine kernel: rows [row0, row0 + 4) of attn, linear over (t, q head). */
+typedef struct da_cu_citem {
+  int32_t attn, row0;
+} da_cu_citem;
+
+/* One append: n_tokens tokens at [pos, pos + n_tokens) of layer. */
+typedef struct da_cu_append {
+  int32_t layer, pos, n_tokens, pad_;
+  int64_t pt_off; /* page table in da_cu_args.pages */
+  int64_t k_off;  /* k: [n_tokens][n_kv_heads][head_dim] at kvin + k_off; v at kvin + v_off */
+  int64_t v_off;
+} da_cu_append;
+
+typedef struct da_cu_args {
+  void *kv;                 /* KV pool */
+  float *acc_o, *acc_lse;   /* accumulator pool */
+  const int32_t *pages;     /* all page tables of the batch */
+  const da_cu_attn *attns;
+  const da_cu_item *items;
+  const da_cu_citem *citems;
+  const da_cu_append *appends;
+  const void *q;            /* staged queries */
+  const void *kvin;         /* staged appended K/V */
+  void *o;                  /* staged outputs */
+  float *lse;
+  int n_items, n_citems, n_appends, max_append_tokens;
+  int n_layers, n_q_heads, n_kv_heads, head_dim, page_tokens, page_shift;
+  int split_tokens, window, bf16;
+  float scale_log2;   /* scale * log2(e); used without softcap */
+  float cap_in;       /* scale / softcap */
+  float cap_out_log2; /* softcap * log2(e) */
+  int softcap;        /* non-zero: score = softcap * tanh(scale * qk / softcap) */
+} da_cu_args;
+
+/* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items
+ * write accumulator slots). Dynamic shared memory is set up by the launcher. */
+int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
+/* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
+int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);
+/* append.cu: writes a->appends' K/V into the pool through their page tables. */
+int da_cuda_append(const da_cu_args *a, cudaStream_t stream);
+/* pagecopy.cu: copies n whole pages pool[dst[i]] = pool[src[i]] (i independent);
+ * pairs: device array of (src, dst) int32. */
+int da_cuda_page_copy(void *kv, int64_t page_bytes, const int32_t *pairs, int n,
+                      cudaStream_t stream);
+/* fill.cu: mode 0 writes NaN (all-ones bits) to n 32-bit words at dst; mode 1 writes n
+ * 16-bit values of the dtype (bf16 if bf16 != 0, else fp16) drawn from a hash of
+ * (seed, index), roughly N(0, 1) (benchmarks). */
+int da_cuda_fill(void *dst, size_t n, int mode, int bf16, uint64_t seed, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DA_CUDA_KERNELS_H */
