@@ -220,11 +220,13 @@ START_TEST(fork_then_extend_equals_fresh_sequence) {
   uint32_t p = open_seq(), f;
   feed(p, &g.data, scratch, 0, prefix, (const int[]){23}, 1);
   ck_assert_int_eq(da_kvcache_fork(g.kv, p, &f), 0);
-  /* One batch: P writes junk into the page they share while F writes the data. */
-  item both[2] = {{p, prefix, 9, &g.junk, scratch}, {f, prefix, 13, &g.data, out_a}};
-  step(both, 2);
-  feed(f, &g.data, out_a, prefix + 13, NTOK, (const int[]){1, 1, 1, 17, 64}, 5);
-  feed(p, &g.junk, scratch, prefix + 9, prefix + 30, (const int[]){21}, 1);
+  /* F extends with the data while P writes junk beside it into the pages they shared, in
+   * the same batches and after F (so a missed copy-on-write would clobber F's tokens). */
+  item b1[2] = {{f, prefix, 13, &g.data, out_a}, {p, prefix, 9, &g.junk, scratch}};
+  step(b1, 2);
+  item b2[2] = {{f, prefix + 13, 1, &g.data, out_a}, {p, prefix + 9, 5, &g.junk, scratch}};
+  step(b2, 2);
+  feed(f, &g.data, out_a, prefix + 14, NTOK, (const int[]){1, 1, 17, 64}, 4);
 
   /* R: a fresh sequence with the same tokens; the prefix in one shot, then F's chunks. */
   uint32_t r = open_seq();
@@ -247,9 +249,14 @@ START_TEST(truncate_then_reappend_equals_never_truncated) {
   feed(a, &g.junk, scratch, cut, 90, (const int[]){11, 40}, 2);
   ck_assert_int_eq(da_kvcache_fork(g.kv, a, &c), 0);
   ck_assert_int_eq(da_kvcache_truncate(g.kv, a, cut), 0);
-  feed(a, &g.data, out_a, cut, NTOK, (const int[]){13, 1, 1, 1, 64}, 5);
-  /* C keeps writing past its junk (pages it no longer shares with A). */
-  feed(c, &g.junk, scratch, 90, NTOK, (const int[]){10}, 1);
+  /* C keeps 3 junk tokens past cut, in the page it still shares with A (unless cut is at a
+   * page boundary), and writes more junk there in the same batches as A's re-append. */
+  ck_assert_int_eq(da_kvcache_truncate(g.kv, c, cut + 3), 0);
+  item b1[2] = {{a, cut, 13, &g.data, out_a}, {c, cut + 3, 10, &g.junk, scratch}};
+  step(b1, 2);
+  item b2[2] = {{a, cut + 13, 1, &g.data, out_a}, {c, cut + 13, 2, &g.junk, scratch}};
+  step(b2, 2);
+  feed(a, &g.data, out_a, cut + 14, NTOK, (const int[]){1, 1, 64}, 3);
 
   /* B: never truncated, same chunks from cut on. */
   uint32_t b = open_seq();
