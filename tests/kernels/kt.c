@@ -23,6 +23,16 @@ void kt_seq_make(kt_seq *s, const da_model *m, da_rng *r, int layer, int len, in
   kt_seq_poison_out(s);
 }
 
+void kt_seq_clone(kt_seq *dst, const kt_seq *src, da_rng *r, int page_tokens, uint8_t *used,
+                  int pool_pages) {
+  kt_seq_make(dst, src->m, r, src->layer, src->len, page_tokens, used, pool_pages, 1.0);
+  const size_t nq = (size_t)src->len * src->m->n_q_heads * src->m->head_dim * 2;
+  const size_t nk = (size_t)src->len * src->m->n_kv_heads * src->m->head_dim * 2;
+  memcpy(dst->q, src->q, nq);
+  memcpy(dst->k, src->k, nk);
+  memcpy(dst->v, src->v, nk);
+}
+
 void kt_seq_free(kt_seq *s) {
   free(s->pages);
   free(s->q);

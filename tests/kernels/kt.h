@@ -25,6 +25,9 @@ typedef struct kt_seq {
  * da_test_random_pages_from); aborts the test if the pool is full. */
 void kt_seq_make(kt_seq *s, const da_model *m, da_rng *r, int layer, int len, int page_tokens,
                  uint8_t *used, int pool_pages, double qs);
+/* A copy of src's tokens (and length) with its own random pages and poisoned outputs. */
+void kt_seq_clone(kt_seq *dst, const kt_seq *src, da_rng *r, int page_tokens, uint8_t *used,
+                  int pool_pages);
 void kt_seq_free(kt_seq *s);
 /* Poisons s->o and s->lse so that unwritten outputs show. */
 void kt_seq_poison_out(kt_seq *s);
