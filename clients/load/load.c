@@ -259,7 +259,8 @@ int da_load_hello(const char *url, int timeout_ms, da_workload *w, detattn_serve
     snprintf(msg, msglen, "connect %s: %s", url, detattn_errmsg());
     return rc;
   }
-  detattn_set_timeout(c, timeout_ms);
+  /* The first call waits for the connection: fail fast when no daemon is there. */
+  detattn_set_timeout(c, timeout_ms > 0 && timeout_ms < 10000 ? timeout_ms : 10000);
   rc = detattn_hello(c, info);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "hello %s: %s: %s", url, detattn_status_name(rc), detattn_errmsg());
