@@ -1,0 +1,417 @@
+/*
+ * test_cuda.c — the CUDA backend against the fp64 reference, and its invariance matrix
+ * bit-exact on the GPU: alone vs random batch mixes, one-shot vs chunked prefill vs
+ * token-by-token decode, in-row vs partial splits, fork vs fresh, reruns. Pools are
+ * poisoned with NaN (cfg.poison). Exits 77 (skipped) when no CUDA device is present.
+ * Runs with CK_FORK=no: CUDA does not survive fork() after init.
+ */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "testutil.h"
+
+typedef struct tcfg {
+  int hq, hkv, d, window, S, P;
+  da_dtype dt;
+  float softcap;
+} tcfg;
+
+/* A sequence with its whole future K/V and q held on the host, appended piecewise. */
+typedef struct seq {
+  int cap, len;
+  int32_t *pages;
+  int n_pages;
+  uint16_t *k, *v, *q; /* [cap][hkv][d], [cap][hkv][d], [cap][hq][d] */
+} seq;
+
+static uint64_t g_seed;
+static const int n_layers = 2, pool_pages = 512;
+
+static da_model model_of(const tcfg *c) {
+  da_model m = {.n_layers = n_layers, .n_q_heads = c->hq, .n_kv_heads = c->hkv,
+                .head_dim = c->d, .dtype = c->dt, .softcap = c->softcap, .window = c->window};
+  da_model_defaults(&m);
+  return m;
+}
+
+static da_backend *open_be(const tcfg *c) {
+  da_backend_cfg cfg = {.model = model_of(c),
+                        .num = {.split_tokens = c->S, .tile_tokens = 64},
+                        .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 16,
+                        .staging_bytes = 16u << 20, .poison = 1};
+  da_backend *be = NULL;
+  char err[256] = "";
+  int rv = da_backend_open(&be, "cuda", &cfg, err, sizeof(err));
+  ck_assert_msg(rv == 0, "open cuda: %s (seed %llu)", err, (unsigned long long)g_seed);
+  return be;
+}
+
+static void seq_init(seq *s, const tcfg *c, int cap, da_rng *r, uint8_t *used) {
+  memset(s, 0, sizeof(*s));
+  s->cap = cap;
+  s->n_pages = (cap + c->P - 1) / c->P;
+  s->pages = malloc(sizeof(int32_t) * (size_t)s->n_pages);
+  ck_assert(s->pages != NULL);
+  ck_assert_int_eq(da_test_random_pages_from(r, s->pages, s->n_pages, used, pool_pages), 0);
+  s->k = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
+  s->v = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
+  s->q = da_test_random_tensor(r, c->dt, (size_t)cap * c->hq * c->d, 1.0);
+  ck_assert(s->k && s->v && s->q);
+}
+
+static void seq_fini(seq *s) {
+  free(s->pages), free(s->k), free(s->v), free(s->q);
+}
+
+static da_append mk_append(const tcfg *c, const seq *s, int layer, int pos, int n) {
+  return (da_append){.layer = layer, .pos = pos, .n_tokens = n, .pages = s->pages,
+                     .n_pages = s->n_pages, .k = s->k + (size_t)pos * c->hkv * c->d,
+                     .v = s->v + (size_t)pos * c->hkv * c->d};
+}
+
+static da_attn mk_attn(const tcfg *c, const seq *s, int layer, int pos, int n, uint16_t *o, float *lse) {
+  return (da_attn){.layer = layer, .q_pos = pos, .n_q = n, .pages = s->pages,
+                   .n_pages = s->n_pages, .q = s->q + (size_t)pos * c->hq * c->d,
+                   .o = o + (size_t)pos * c->hq * c->d, .lse = lse ? lse + (size_t)pos * c->hq : NULL};
+}
+
+static void run_ok(da_backend *be, const da_batch *b, da_batch_result *res) {
+  int rv = da_backend_run(be, b, res);
+  ck_assert_msg(rv == 0, "run: %s: %s (seed %llu)", detattn_status_name(rv), res->err,
+                (unsigned long long)g_seed);
+}
+
+/* Appends [pos, pos + n) of s to layer and computes its queries in one batch. */
+static void forward(da_backend *be, const tcfg *c, seq *s, int layer, int pos, int n, uint16_t *o,
+                    float *lse, da_split_mode mode) {
+  da_append ap = mk_append(c, s, layer, pos, n);
+  da_attn at = mk_attn(c, s, layer, pos, n, o, lse);
+  da_batch b = {.appends = &ap, .n_appends = 1, .attns = &at, .n_attns = 1, .split_mode = mode};
+  da_batch_result res;
+  run_ok(be, &b, &res);
+}
+
+static void assert_same(const void *a, const void *b, size_t n, const char *what) {
+  ptrdiff_t d = da_test_first_diff(a, b, n);
+  ck_assert_msg(d < 0, "%s: first difference at byte %td of %zu (seed %llu)", what, d, n,
+                (unsigned long long)g_seed);
+}
+
+static const tcfg cfgs[] = {
+    {.hq = 8, .hkv = 2, .d = 128, .window = 0, .S = 128, .P = 16, .dt = DA_BF16},
+    {.hq = 4, .hkv = 4, .d = 64, .window = 0, .S = 256, .P = 32, .dt = DA_BF16},
+    {.hq = 8, .hkv = 1, .d = 128, .window = 200, .S = 128, .P = 16, .dt = DA_FP16, .softcap = 30.0f},
+    {.hq = 6, .hkv = 2, .d = 256, .window = 0, .S = 192, .P = 8, .dt = DA_BF16, .softcap = 20.0f},
+    {.hq = 4, .hkv = 2, .d = 64, .window = 100, .S = 64, .P = 64, .dt = DA_FP16},
+};
+#define N_CFGS (int)(sizeof(cfgs) / sizeof(cfgs[0]))
+
+START_TEST(matches_fp64_reference) {
+  const tcfg *c = &cfgs[_i];
+  da_rng r;
+  da_rng_seed(&r, g_seed + (uint64_t)_i);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  seq s;
+  const int n = 541;
+  seq_init(&s, c, n, &r, used);
+  uint16_t *o = malloc((size_t)n * c->hq * c->d * 2);
+  float *lse = malloc((size_t)n * c->hq * 4);
+  double *ro = malloc((size_t)n * c->hq * c->d * 8), *rl = malloc((size_t)n * c->hq * 8);
+  ck_assert(o && lse && ro && rl);
+  /* A prefill chunk, then the rest as a second chunk: both read through the pages. */
+  forward(be, c, &s, 1, 0, 300, o, lse, DA_SPLIT_AUTO);
+  forward(be, c, &s, 1, 300, n - 300, o, lse, DA_SPLIT_AUTO);
+  da_model m = model_of(c);
+  ck_assert_int_eq(da_test_ref_attention(&m, s.k, s.v, n, s.q, 0, n, ro, rl), 0);
+  const size_t no = (size_t)n * c->hq * c->d;
+  double e = da_test_rel_err(c->dt, o, ro, no);
+  double tol = c->dt == DA_BF16 ? 1e-2 : 2e-3;
+  ck_assert_msg(e <= tol, "cfg %d: o relative error %g > %g (seed %llu)", _i, e, tol,
+                (unsigned long long)g_seed);
+  double el = da_test_max_abs_err_f32(lse, rl, (size_t)n * c->hq);
+  ck_assert_msg(el <= 2e-3, "cfg %d: lse max error %g (seed %llu)", _i, el, (unsigned long long)g_seed);
+  free(o), free(lse), free(ro), free(rl);
+  seq_fini(&s);
+  da_backend_close(be);
+}
+END_TEST
+
+/* One-shot prefill, random chunks, and token-by-token decode give the same bits. */
+START_TEST(prefill_chunked_and_decode_are_bit_identical) {
+  const tcfg *c = &cfgs[_i];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 100 + (uint64_t)_i);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  const int n = 389;
+  seq s[3];
+  for (int i = 0; i < 3; i++) seq_init(&s[i], c, n, &r, used);
+  /* The same tokens in all three sequences, on different pages. */
+  for (int i = 1; i < 3; i++) {
+    memcpy(s[i].k, s[0].k, (size_t)n * c->hkv * c->d * 2);
+    memcpy(s[i].v, s[0].v, (size_t)n * c->hkv * c->d * 2);
+    memcpy(s[i].q, s[0].q, (size_t)n * c->hq * c->d * 2);
+  }
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  uint16_t *o[3];
+  float *lse[3];
+  for (int i = 0; i < 3; i++) {
+    o[i] = malloc(no * 2), lse[i] = malloc(nl * 4);
+    ck_assert(o[i] && lse[i]);
+  }
+  forward(be, c, &s[0], 0, 0, n, o[0], lse[0], DA_SPLIT_AUTO);
+  for (int pos = 0; pos < n;) {
+    int k = (int)da_rng_range(&r, 1, 150);
+    if (k > n - pos) k = n - pos;
+    forward(be, c, &s[1], 0, pos, k, o[1], lse[1], (da_split_mode)da_rng_range(&r, 0, 2));
+    pos += k;
+  }
+  for (int pos = 0; pos < n; pos++)
+    forward(be, c, &s[2], 0, pos, 1, o[2], lse[2], (da_split_mode)da_rng_range(&r, 0, 2));
+  assert_same(o[0], o[1], no * 2, "one-shot vs chunked o");
+  assert_same(o[0], o[2], no * 2, "one-shot vs decode o");
+  assert_same(lse[0], lse[1], nl * 4, "one-shot vs chunked lse");
+  assert_same(lse[0], lse[2], nl * 4, "one-shot vs decode lse");
+  for (int i = 0; i < 3; i++) free(o[i]), free(lse[i]), seq_fini(&s[i]);
+  da_backend_close(be);
+}
+END_TEST
+
+/* In-row, partial and auto split modes give the same bits, and reruns repeat them. */
+START_TEST(split_modes_and_reruns_are_bit_identical) {
+  const tcfg *c = &cfgs[_i];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 200 + (uint64_t)_i);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  const int n = 700;
+  seq s;
+  seq_init(&s, c, n, &r, used);
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  uint16_t *o[4];
+  float *lse[4];
+  for (int i = 0; i < 4; i++) o[i] = malloc(no * 2), lse[i] = malloc(nl * 4);
+  forward(be, c, &s, 0, 0, n, o[0], lse[0], DA_SPLIT_INROW);
+  static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO, DA_SPLIT_PARTIAL};
+  for (int i = 0; i < 4; i++) {
+    da_attn at = mk_attn(c, &s, 0, 0, n, o[i], lse[i]);
+    da_batch b = {.attns = &at, .n_attns = 1, .split_mode = modes[i]};
+    da_batch_result res;
+    run_ok(be, &b, &res);
+    if (modes[i] == DA_SPLIT_INROW) ck_assert_int_eq(res.partial_rows, 0);
+    if (modes[i] == DA_SPLIT_PARTIAL) ck_assert_int_eq(res.partial_rows, (int64_t)n * c->hq);
+  }
+  for (int i = 1; i < 4; i++) {
+    assert_same(o[0], o[i], no * 2, "split mode o");
+    assert_same(lse[0], lse[i], nl * 4, "split mode lse");
+  }
+  for (int i = 0; i < 4; i++) free(o[i]), free(lse[i]);
+  seq_fini(&s);
+  da_backend_close(be);
+}
+END_TEST
+
+/* Target rows computed alone equal the same rows inside random batches of other work. */
+START_TEST(alone_equals_inside_random_batches) {
+  const tcfg *c = &cfgs[_i];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 300 + (uint64_t)_i);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  enum { NS = 6 };
+  const int n = 600;
+  seq s[NS];
+  for (int i = 0; i < NS; i++) {
+    seq_init(&s[i], c, n, &r, used);
+    uint16_t *tmp = malloc((size_t)n * c->hq * c->d * 2);
+    forward(be, c, &s[i], 1, 0, n, tmp, NULL, DA_SPLIT_AUTO);
+    free(tmp);
+  }
+  /* Targets: a decode row of seq 0 and a prefill chunk of seq 1. */
+  const int dpos = 577, ppos = 130, pn = 211;
+  const size_t row = (size_t)c->hq * c->d;
+  uint16_t *ref = malloc((size_t)(1 + pn) * row * 2), *got = malloc((size_t)(1 + pn) * row * 2);
+  uint16_t *scratch = malloc((size_t)NS * n * row * 2);
+  ck_assert(ref && got && scratch);
+  for (int trial = -1; trial < 6; trial++) {
+    da_attn at[2 + NS];
+    int na = 0;
+    uint16_t *dst = trial < 0 ? ref : got;
+    at[na] = mk_attn(c, &s[0], 1, dpos, 1, scratch, NULL);
+    at[na++].o = dst;
+    at[na] = mk_attn(c, &s[1], 1, ppos, pn, scratch, NULL);
+    at[na++].o = dst + row;
+    if (trial >= 0) {
+      for (int i = 0; i < NS; i++) {
+        int q_n = da_rng_range(&r, 0, 1) ? 1 : (int)da_rng_range(&r, 2, 300);
+        int q_pos = (int)da_rng_range(&r, 0, n - q_n);
+        at[na++] = mk_attn(c, &s[i], (int)da_rng_range(&r, 0, 1), q_pos, q_n,
+                           scratch + (size_t)i * n * row, NULL);
+      }
+      for (int i = na - 1; i > 0; i--) { /* shuffle */
+        int j = (int)da_rng_range(&r, 0, i);
+        da_attn t = at[i];
+        at[i] = at[j], at[j] = t;
+      }
+    }
+    da_batch b = {.attns = at, .n_attns = na,
+                  .split_mode = trial < 0 ? DA_SPLIT_AUTO : (da_split_mode)da_rng_range(&r, 0, 2)};
+    da_batch_result res;
+    run_ok(be, &b, &res);
+    if (trial >= 0) assert_same(ref, got, (size_t)(1 + pn) * row * 2, "alone vs batch");
+  }
+  free(ref), free(got), free(scratch);
+  for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  da_backend_close(be);
+}
+END_TEST
+
+/* A sequence forked from a shared prefix (pages shared, last partial page copied) equals a
+ * fresh sequence with the same tokens, and the source is unchanged by the fork's writes. */
+START_TEST(fork_equals_fresh_and_leaves_source_intact) {
+  const tcfg *c = &cfgs[0];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 400);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  const int n = 500, pre = 203; /* pre is not a page boundary */
+  seq a, f, fresh;
+  seq_init(&a, c, n, &r, used);
+  seq_init(&f, c, n, &r, used);
+  seq_init(&fresh, c, n, &r, used);
+  memcpy(fresh.k, a.k, (size_t)pre * c->hkv * c->d * 2);
+  memcpy(fresh.v, a.v, (size_t)pre * c->hkv * c->d * 2);
+  memcpy(f.k, a.k, (size_t)pre * c->hkv * c->d * 2);
+  memcpy(f.v, a.v, (size_t)pre * c->hkv * c->d * 2);
+  memcpy(fresh.k + (size_t)pre * c->hkv * c->d, f.k + (size_t)pre * c->hkv * c->d, (size_t)(n - pre) * c->hkv * c->d * 2);
+  memcpy(fresh.v + (size_t)pre * c->hkv * c->d, f.v + (size_t)pre * c->hkv * c->d, (size_t)(n - pre) * c->hkv * c->d * 2);
+  memcpy(fresh.q, f.q, (size_t)n * c->hq * c->d * 2);
+  const size_t no = (size_t)n * c->hq * c->d;
+  uint16_t *oa = malloc(no * 2), *oa2 = malloc(no * 2), *of = malloc(no * 2), *ofr = malloc(no * 2);
+  for (int l = 0; l < n_layers; l++) forward(be, c, &a, l, 0, pre, oa, NULL, DA_SPLIT_AUTO);
+  /* Fork: f shares a's full pages; the partial last page is copied (all layers). */
+  const int full = pre / c->P;
+  for (int i = 0; i < full; i++) f.pages[i] = a.pages[i];
+  da_page_copy cp = {.src = a.pages[full], .dst = f.pages[full]};
+  da_append ap[2];
+  da_attn at[2];
+  for (int l = 0; l < n_layers; l++) {
+    ap[l] = mk_append(c, &f, l, pre, n - pre);
+    at[l] = mk_attn(c, &f, l, pre, n - pre, of, NULL);
+  }
+  da_batch b = {.copies = &cp, .n_copies = 1, .appends = ap, .n_appends = n_layers, .attns = at,
+                .n_attns = 1, .split_mode = DA_SPLIT_AUTO};
+  da_batch_result res;
+  run_ok(be, &b, &res);
+  forward(be, c, &fresh, 0, 0, n, ofr, NULL, DA_SPLIT_AUTO);
+  const size_t off = (size_t)pre * c->hq * c->d;
+  assert_same(of + off, ofr + off, (no - off) * 2, "fork vs fresh");
+  /* Source rows recomputed after the fork's writes equal the rows before. */
+  da_attn at2 = mk_attn(c, &a, 0, 0, pre, oa2, NULL);
+  da_batch b2 = {.attns = &at2, .n_attns = 1};
+  run_ok(be, &b2, &res);
+  assert_same(oa, oa2, (size_t)pre * c->hq * c->d * 2, "source after fork");
+  free(oa), free(oa2), free(of), free(ofr);
+  seq_fini(&a), seq_fini(&f), seq_fini(&fresh);
+  da_backend_close(be);
+}
+END_TEST
+
+/* A batch with a bad page id fails with INVALID_ARGUMENT and writes nothing. */
+START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
+  const tcfg *c = &cfgs[0];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 500);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  const int n = 150;
+  seq s, t;
+  seq_init(&s, c, n, &r, used);
+  seq_init(&t, c, n, &r, used);
+  const size_t no = (size_t)n * c->hq * c->d;
+  uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
+  forward(be, c, &s, 0, 0, n, o1, NULL, DA_SPLIT_AUTO);
+  /* Overwrite s's keys with t's data, but the batch also carries an append with a bad page. */
+  int32_t bad[16];
+  for (int i = 0; i < 16; i++) bad[i] = pool_pages + i;
+  da_append ap[2] = {mk_append(c, &t, 0, 0, n), mk_append(c, &t, 0, 0, n)};
+  ap[0].pages = s.pages;
+  ap[1].pages = bad;
+  ap[1].n_pages = 16;
+  da_batch b = {.appends = ap, .n_appends = 2};
+  da_batch_result res;
+  int rv = da_backend_run(be, &b, &res);
+  ck_assert_int_eq(rv, DETATTN_INVALID_ARGUMENT);
+  ck_assert_msg(strstr(res.err, "page id") != NULL, "message: %s", res.err);
+  da_attn at = mk_attn(c, &s, 0, 0, n, o2, NULL);
+  da_batch b2 = {.attns = &at, .n_attns = 1};
+  run_ok(be, &b2, &res);
+  assert_same(o1, o2, no * 2, "after rejected batch");
+  free(o1), free(o2);
+  seq_fini(&s), seq_fini(&t);
+  da_backend_close(be);
+}
+END_TEST
+
+START_TEST(create_rejects_other_tile_sizes) {
+  tcfg c = cfgs[0];
+  da_backend_cfg cfg = {.model = model_of(&c), .num = {.split_tokens = 128, .tile_tokens = 32},
+                        .page_tokens = 16, .n_pages = 16};
+  da_backend *be = NULL;
+  char err[256] = "";
+  ck_assert_int_eq(da_backend_open(&be, "cuda", &cfg, err, sizeof(err)), DETATTN_INVALID_ARGUMENT);
+  ck_assert_msg(strstr(err, "tile_tokens must be 64") != NULL, "message: %s", err);
+  ck_assert_ptr_null(be);
+}
+END_TEST
+
+START_TEST(info_names_device_and_fingerprint) {
+  da_backend *be = open_be(&cfgs[0]);
+  const da_backend_info *in = da_backend_get_info(be);
+  ck_assert_str_eq(in->name, "cuda");
+  ck_assert_str_eq(in->arch, "sm_90");
+  da_model m = model_of(&cfgs[0]);
+  da_numerics nu = {.split_tokens = cfgs[0].S, .tile_tokens = 64};
+  ck_assert(in->fingerprint == da_fingerprint("cuda", in->kernel_version, "sm_90", &m, &nu));
+  ck_assert(in->kv_bytes > 0 && in->acc_bytes > 0 && in->staging_bytes > 0);
+  da_backend_close(be);
+}
+END_TEST
+
+int main(void) {
+  if (!da_cuda_backend_ops.available()) {
+    printf("no CUDA device: skipped\n");
+    return 77;
+  }
+  g_seed = da_test_seed(0x5eed2026ull);
+  printf("seed %llu\n", (unsigned long long)g_seed);
+  Suite *su = suite_create("cuda");
+  TCase *tc = tcase_create("small");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, create_rejects_other_tile_sizes);
+  tcase_add_test(tc, info_names_device_and_fingerprint);
+  tcase_add_test(tc, bad_page_id_is_rejected_and_writes_nothing);
+  tcase_add_loop_test(tc, matches_fp64_reference, 0, 2);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("accuracy");
+  tcase_set_timeout(tc, 60);
+  tcase_add_loop_test(tc, matches_fp64_reference, 2, N_CFGS);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("invariance");
+  tcase_set_timeout(tc, 60);
+  tcase_add_loop_test(tc, prefill_chunked_and_decode_are_bit_identical, 0, N_CFGS);
+  tcase_add_loop_test(tc, split_modes_and_reruns_are_bit_identical, 0, N_CFGS);
+  tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
+  tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
+  suite_add_tcase(su, tc);
+  SRunner *sr = srunner_create(su);
+  srunner_set_fork_status(sr, CK_NOFORK);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed == 0 ? 0 : 1;
+}
