@@ -62,6 +62,7 @@ static void assert_same(const snap *a, const snap *b, const char *what) {
   ck_assert_msg(a->open == b->open, "%s: seqs_open %d -> %d", what, a->open, b->open);
   ck_assert_msg(memcmp(a->refs, b->refs, sizeof(a->refs)) == 0, "%s: refcounts changed", what);
   ck_assert_msg(memcmp(a->len, b->len, sizeof(a->len)) == 0, "%s: lengths changed", what);
+  ck_assert_msg(memcmp(a->has_table, b->has_table, sizeof(a->has_table)) == 0, "%s: open sequences changed", what);
   ck_assert_msg(memcmp(a->np, b->np, sizeof(a->np)) == 0, "%s: table sizes changed", what);
   ck_assert_msg(memcmp(a->table, b->table, sizeof(a->table)) == 0, "%s: page tables changed", what);
 }
