@@ -1,0 +1,358 @@
+#include "config.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "da.h"
+#include "log.h"
+
+typedef enum { T_INT, T_I64, T_FLOAT, T_STR, T_ENUM, T_FLAG } kind;
+
+typedef struct setting {
+  const char *name; /* flag name without "--" */
+  kind type;
+  size_t off;
+  double min, max;     /* T_INT, T_I64, T_FLOAT */
+  const char *choices; /* T_ENUM: "a|b|c" */
+  const char *def;     /* default, as text */
+  const char *help;
+} setting;
+
+#define F(field) offsetof(da_config, field)
+
+static const setting table[] = {
+    {"config", T_STR, F(config_file), 0, 0, NULL, "", "config file (ini: name = value, same names as the flags)"},
+    {"listen", T_STR, F(listen), 0, 0, NULL, "",
+     "nng URL to listen on (default ipc://$XDG_RUNTIME_DIR/detattn/detattnd.sock, or "
+     "ipc:///tmp/detattn-$UID/detattnd.sock)"},
+    {"backend", T_ENUM, F(backend), 0, 0, "auto|cpu|cuda", "auto", "attention backend; auto: cuda if a device is present"},
+    {"layers", T_INT, F(layers), 1, 4096, NULL, "32", "model: layers"},
+    {"q-heads", T_INT, F(q_heads), 1, 1024, NULL, "32", "model: query heads (a multiple of kv-heads)"},
+    {"kv-heads", T_INT, F(kv_heads), 1, 1024, NULL, "8", "model: key/value heads"},
+    {"head-dim", T_INT, F(head_dim), 64, 256, NULL, "128", "model: head dimension (64, 128 or 256)"},
+    {"dtype", T_ENUM, F(dtype), 0, 0, "bf16|fp16", "bf16", "model: tensor dtype on the wire and in the cache"},
+    {"page-tokens", T_INT, F(page_tokens), 8, 256, NULL, "16", "KV page size in tokens (a power of two)"},
+    {"kv-tokens", T_I64, F(kv_tokens), 1, 1LL << 32, NULL, "8192", "KV cache capacity in tokens (rounded up to pages)"},
+    {"window", T_INT, F(window), 0, 1 << 30, NULL, "0", "model: sliding window in tokens; 0: full causal"},
+    {"softcap", T_FLOAT, F(softcap), 0, 1e6, NULL, "0", "model: logit softcap; 0: off"},
+    {"scale", T_FLOAT, F(scale), 0, 1e6, NULL, "0", "model: softmax scale; 0: 1/sqrt(head-dim)"},
+    {"split-tokens", T_INT, F(split_tokens), 16, 1 << 20, NULL, "512", "numerics: split size S (a multiple of tile-tokens)"},
+    {"tile-tokens", T_INT, F(tile_tokens), 16, 256, NULL, "64", "numerics: tile size T (a power of two)"},
+    {"max-batch-tokens", T_INT, F(max_batch_tokens), 2, 1 << 24, NULL, "8192",
+     "scheduler: most appended + query tokens in one batch"},
+    {"wait-us", T_INT, F(wait_us), 0, 1000000, NULL, "0",
+     "scheduler: how long an idle backend waits for a batch to fill, microseconds"},
+    {"max-request-tokens", T_INT, F(max_request_tokens), 1, 1 << 24, NULL, "4096",
+     "most tokens in one Forward (all its sequences); max-request-tokens + split-tokens <= max-batch-tokens"},
+    {"partial-rows", T_INT, F(partial_rows), 0, 1 << 30, NULL, "256",
+     "scheduler: batches with fewer (token, q-head) rows than this run long rows as partials"},
+    {"max-message-bytes", T_I64, F(max_message_bytes), 4096, 1LL << 31, NULL, "67108864",
+     "largest request message in bytes"},
+    {"max-seqs", T_INT, F(max_seqs), 1, 1 << 20, NULL, "1024", "most sequences open at once"},
+    {"max-seq-tokens", T_INT, F(max_seq_tokens), 1, 1 << 24, NULL, "32768", "longest sequence in tokens"},
+    {"threads", T_INT, F(threads), 0, 1024, NULL, "0", "CPU backend: worker threads; 0: online CPUs"},
+    {"contexts", T_INT, F(contexts), 1, 4096, NULL, "64", "nng contexts: requests received concurrently"},
+    {"acc-slots", T_INT, F(acc_slots), 0, 1 << 28, NULL, "0", "accumulator slots for partial splits; 0: backend default"},
+    {"staging-mib", T_INT, F(staging_mib), 0, 1 << 16, NULL, "0", "device backends: staging buffer MiB; 0: default"},
+    {"device", T_INT, F(device), 0, 64, NULL, "0", "CUDA backend: device ordinal"},
+    {"log-level", T_ENUM, F(log_level), 0, 0, "error|warn|info|debug", "info", "log level"},
+    {"help", T_FLAG, F(help), 0, 0, NULL, "0", "print this help and exit"},
+    {"print-config", T_FLAG, F(print_config), 0, 0, NULL, "0", "print an example config file with every setting and exit"},
+};
+#define N_SETTINGS (sizeof(table) / sizeof(table[0]))
+
+static const setting *find(const char *name, size_t len) {
+  for (size_t i = 0; i < N_SETTINGS; i++)
+    if (strlen(table[i].name) == len && strncmp(table[i].name, name, len) == 0) return &table[i];
+  return NULL;
+}
+
+static int choice_index(const char *choices, const char *v) {
+  size_t vl = strlen(v);
+  int i = 0;
+  for (const char *p = choices;; i++) {
+    const char *bar = strchr(p, '|');
+    size_t l = bar ? (size_t)(bar - p) : strlen(p);
+    if (l == vl && strncmp(p, v, l) == 0) return i;
+    if (bar == NULL) return -1;
+    p = bar + 1;
+  }
+}
+
+static const char *type_name(kind t) {
+  switch (t) {
+  case T_INT: case T_I64: return "int";
+  case T_FLOAT: return "float";
+  case T_STR: return "string";
+  case T_ENUM: return "choice";
+  case T_FLAG: return "flag";
+  }
+  return "?";
+}
+
+/* Parses v into the setting's field; on error writes "<src>: <name>: <why>". */
+static int set_value(da_config *c, const setting *s, const char *v, const char *src, char *err,
+                     size_t errlen) {
+  char *base = (char *)c + s->off;
+  char *end = NULL;
+  switch (s->type) {
+  case T_INT:
+  case T_I64: {
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (*v == '\0' || *end != '\0' || errno) {
+      snprintf(err, errlen, "%s: %s: '%s' is not an integer", src, s->name, v);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    if ((double)x < s->min || (double)x > s->max) {
+      snprintf(err, errlen, "%s: %s: %lld is out of bounds [%.0f, %.0f]", src, s->name, x, s->min,
+               s->max);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    if (s->type == T_INT) *(int *)base = (int)x;
+    else *(int64_t *)base = (int64_t)x;
+    return 0;
+  }
+  case T_FLOAT: {
+    errno = 0;
+    double x = strtod(v, &end);
+    if (*v == '\0' || *end != '\0' || errno || !isfinite(x)) {
+      snprintf(err, errlen, "%s: %s: '%s' is not a finite number", src, s->name, v);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    if (x < s->min || x > s->max) {
+      snprintf(err, errlen, "%s: %s: %g is out of bounds [%g, %g]", src, s->name, x, s->min, s->max);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    *(double *)base = x;
+    return 0;
+  }
+  case T_STR:
+    if (strlen(v) >= DA_CONFIG_STR_MAX) {
+      snprintf(err, errlen, "%s: %s: value longer than %d bytes", src, s->name, DA_CONFIG_STR_MAX - 1);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    snprintf(base, DA_CONFIG_STR_MAX, "%s", v);
+    return 0;
+  case T_ENUM: {
+    int i = choice_index(s->choices, v);
+    if (i < 0) {
+      snprintf(err, errlen, "%s: %s: '%s' is not one of %s", src, s->name, v, s->choices);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    *(int *)base = i;
+    return 0;
+  }
+  case T_FLAG:
+    if (strcmp(v, "1") == 0 || strcmp(v, "true") == 0 || strcmp(v, "yes") == 0) *(int *)base = 1;
+    else if (strcmp(v, "0") == 0 || strcmp(v, "false") == 0 || strcmp(v, "no") == 0) *(int *)base = 0;
+    else {
+      snprintf(err, errlen, "%s: %s: '%s' is not a boolean (1|0|true|false|yes|no)", src, s->name, v);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    return 0;
+  }
+  return DETATTN_INTERNAL;
+}
+
+typedef struct file_ctx {
+  da_config *c;
+  const char *path;
+  char *err;
+  size_t errlen;
+  int rv;
+} file_ctx;
+
+/* Messages are "file: name: why"; the caller adds the line number inih reports. */
+static int on_ini(void *user, const char *section, const char *name, const char *value) {
+  file_ctx *fc = user;
+  (void)section;
+  if (fc->rv) return 0;
+  const setting *s = find(name, strlen(name));
+  if (s == NULL || s->type == T_FLAG || strcmp(s->name, "config") == 0) {
+    snprintf(fc->err, fc->errlen, "unknown setting '%s'", name);
+    fc->rv = DETATTN_INVALID_ARGUMENT;
+    return 0;
+  }
+  fc->rv = set_value(fc->c, s, value, "file", fc->err, fc->errlen);
+  return fc->rv == 0;
+}
+
+static void env_name(const setting *s, char *out, size_t outlen) {
+  int n = snprintf(out, outlen, "DETATTND_");
+  for (const char *p = s->name; *p && (size_t)n + 1 < outlen; p++)
+    out[n++] = *p == '-' ? '_' : (char)(*p >= 'a' && *p <= 'z' ? *p - 'a' + 'A' : *p);
+  out[n] = '\0';
+}
+
+static const char *env_get(char *const envp[], const char *name) {
+  if (envp == NULL) return NULL;
+  size_t l = strlen(name);
+  for (char *const *e = envp; *e; e++)
+    if (strncmp(*e, name, l) == 0 && (*e)[l] == '=') return *e + l + 1;
+  return NULL;
+}
+
+/* Walks argv; with only_meta set, applies only --config and --help. */
+static int parse_flags(da_config *c, int argc, char *const argv[], int only_meta, char *err,
+                       size_t errlen) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strncmp(a, "--", 2) != 0) {
+      snprintf(err, errlen, "unexpected argument '%s' (settings are --name value)", a);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    const char *name = a + 2, *eq = strchr(name, '=');
+    size_t nl = eq ? (size_t)(eq - name) : strlen(name);
+    const setting *s = find(name, nl);
+    if (s == NULL) {
+      snprintf(err, errlen, "unknown flag '--%.*s' (see --help)", (int)nl, name);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    const char *v;
+    if (eq) v = eq + 1;
+    else if (s->type == T_FLAG) v = "1";
+    else if (i + 1 < argc) v = argv[++i];
+    else {
+      snprintf(err, errlen, "flag --%s needs a value", s->name);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    int meta = s->type == T_FLAG || strcmp(s->name, "config") == 0;
+    if (meta != only_meta) continue;
+    int rv = set_value(c, s, v, "flag", err, errlen);
+    if (rv) return rv;
+    if (c->help || c->print_config) return 0;
+  }
+  return 0;
+}
+
+static int check_cross(const da_config *c, char *err, size_t errlen) {
+  da_model m = {.n_layers = c->layers, .n_q_heads = c->q_heads, .n_kv_heads = c->kv_heads,
+                .head_dim = c->head_dim, .dtype = (da_dtype)c->dtype, .scale = (float)c->scale,
+                .softcap = (float)c->softcap, .window = c->window};
+  da_numerics nu = {.split_tokens = c->split_tokens, .tile_tokens = c->tile_tokens};
+  da_model_defaults(&m);
+  char msg[256];
+  if (da_model_check(&m, &nu, msg, sizeof(msg)) != 0) {
+    snprintf(err, errlen, "model/numerics: %s", msg);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (c->page_tokens & (c->page_tokens - 1)) {
+    snprintf(err, errlen, "page-tokens must be a power of two, got %d", c->page_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if ((int64_t)c->max_request_tokens + c->split_tokens > c->max_batch_tokens) {
+    snprintf(err, errlen,
+             "max-request-tokens (%d) + split-tokens (%d) must be <= max-batch-tokens (%d): a "
+             "request's first chunk (its K/V append and one split of queries) must fit a batch",
+             c->max_request_tokens, c->split_tokens, c->max_batch_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (c->max_request_tokens > c->max_seq_tokens) {
+    snprintf(err, errlen, "max-request-tokens (%d) must be <= max-seq-tokens (%d)",
+             c->max_request_tokens, c->max_seq_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (strncmp(c->listen, "ipc://", 6) != 0 && strncmp(c->listen, "tcp://", 6) != 0 &&
+      strncmp(c->listen, "tls+tcp://", 10) != 0 && strncmp(c->listen, "inproc://", 9) != 0) {
+    snprintf(err, errlen, "listen: '%s' is not an ipc://, tcp://, tls+tcp:// or inproc:// URL", c->listen);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  return 0;
+}
+
+static void default_listen(da_config *c, char *const envp[]) {
+  const char *xdg = env_get(envp, "XDG_RUNTIME_DIR");
+  if (xdg && xdg[0] == '/' && strlen(xdg) < DA_CONFIG_STR_MAX - 64)
+    snprintf(c->listen, DA_CONFIG_STR_MAX, "ipc://%s/detattn/detattnd.sock", xdg);
+  else
+    snprintf(c->listen, DA_CONFIG_STR_MAX, "ipc:///tmp/detattn-%u/detattnd.sock", (unsigned)getuid());
+}
+
+int da_config_load(da_config *c, int argc, char *const argv[], char *const envp[], char *err,
+                   size_t errlen) {
+  memset(c, 0, sizeof(*c));
+  int rv;
+  for (size_t i = 0; i < N_SETTINGS; i++)
+    if ((rv = set_value(c, &table[i], table[i].def, "default", err, errlen)) != 0) return rv;
+
+  const char *envfile = env_get(envp, "DETATTND_CONFIG");
+  if (envfile && (rv = set_value(c, find("config", 6), envfile, "env DETATTND_CONFIG", err, errlen)))
+    return rv;
+  if ((rv = parse_flags(c, argc, argv, 1, err, errlen)) != 0 || c->help || c->print_config)
+    return rv;
+
+  if (c->config_file[0]) {
+    char msg[512] = "";
+    file_ctx fc = {.c = c, .path = c->config_file, .err = msg, .errlen = sizeof(msg)};
+    int r = ini_parse(c->config_file, on_ini, &fc);
+    if (fc.rv) {
+      snprintf(err, errlen, "%s:%d: %s", c->config_file, r, msg);
+      return fc.rv;
+    }
+    if (r < 0) {
+      snprintf(err, errlen, "config file %s: cannot open", c->config_file);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    if (r > 0) {
+      snprintf(err, errlen, "%s:%d: syntax error", c->config_file, r);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+  }
+  for (size_t i = 0; i < N_SETTINGS; i++) {
+    const setting *s = &table[i];
+    if (s->type == T_FLAG || strcmp(s->name, "config") == 0) continue;
+    char en[64], src[80];
+    env_name(s, en, sizeof(en));
+    const char *v = env_get(envp, en);
+    snprintf(src, sizeof(src), "env %s", en);
+    if (v && (rv = set_value(c, s, v, src, err, errlen)) != 0) return rv;
+  }
+  if ((rv = parse_flags(c, argc, argv, 0, err, errlen)) != 0) return rv;
+  if (c->listen[0] == '\0') default_listen(c, envp);
+  return check_cross(c, err, errlen);
+}
+
+const char *da_config_backend_name(const da_config *c) {
+  static const char *const names[] = {"auto", "cpu", "cuda"};
+  return (unsigned)c->backend < 3 ? names[c->backend] : "?";
+}
+
+static void bounds_text(const setting *s, char *out, size_t outlen) {
+  switch (s->type) {
+  case T_INT: case T_I64: snprintf(out, outlen, "[%.0f, %.0f]", s->min, s->max); break;
+  case T_FLOAT: snprintf(out, outlen, "[%g, %g]", s->min, s->max); break;
+  case T_ENUM: snprintf(out, outlen, "%s", s->choices); break;
+  default: out[0] = '\0';
+  }
+}
+
+void da_config_help(FILE *f) {
+  fprintf(f,
+          "usage: detattnd [--name value | --name=value]...\n"
+          "detattnd serves deterministic, batch-invariant attention over nng.\n"
+          "Precedence: defaults < config file < environment DETATTND_<NAME> < flags.\n\n");
+  for (size_t i = 0; i < N_SETTINGS; i++) {
+    const setting *s = &table[i];
+    char b[64], en[64];
+    bounds_text(s, b, sizeof(b));
+    env_name(s, en, sizeof(en));
+    fprintf(f, "  --%-20s %-7s %-22s default: %s\n      %s (env %s)\n", s->name, type_name(s->type),
+            b, s->def[0] ? s->def : "(none)", s->help, en);
+  }
+}
+
+void da_config_example(FILE *f) {
+  fprintf(f, "; detattnd configuration: name = value, names as the command-line flags.\n");
+  for (size_t i = 0; i < N_SETTINGS; i++) {
+    const setting *s = &table[i];
+    if (s->type == T_FLAG || strcmp(s->name, "config") == 0) continue;
+    char b[64];
+    bounds_text(s, b, sizeof(b));
+    fprintf(f, "\n; %s%s%s\n;%s = %s\n", s->help, b[0] ? " " : "", b, s->name, s->def);
+  }
+}

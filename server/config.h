@@ -1,0 +1,66 @@
+/*
+ * config.h — detattnd's settings, defined once in a table (config.c) that parses flags,
+ * the config file and the environment, checks bounds and generates --help.
+ *
+ * Precedence, lowest first: built-in defaults < config file (inih; key = flag name without
+ * the dashes, sections ignored) < environment (DETATTND_<NAME>, name upper-cased with '-'
+ * as '_') < command-line flags (--name value or --name=value). The file is named by
+ * --config or DETATTND_CONFIG.
+ *
+ * Thread: start-up only.
+ */
+#ifndef DA_CONFIG_H
+#define DA_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define DA_CONFIG_STR_MAX 512
+
+typedef struct da_config {
+  char config_file[DA_CONFIG_STR_MAX];
+  char listen[DA_CONFIG_STR_MAX]; /* "" until da_config_load fills the default */
+  int backend;                    /* index into "auto|cpu|cuda" */
+  /* model */
+  int layers, q_heads, kv_heads, head_dim;
+  int dtype; /* da_dtype: 0 bf16, 1 fp16 */
+  int page_tokens;
+  int64_t kv_tokens; /* KV capacity in tokens, rounded up to whole pages */
+  int window;
+  double softcap, scale; /* scale 0: 1/sqrt(head_dim) */
+  /* numerics */
+  int split_tokens, tile_tokens;
+  /* scheduler and limits */
+  int max_batch_tokens;
+  int wait_us;
+  int max_request_tokens;
+  int partial_rows;
+  int64_t max_message_bytes;
+  int max_seqs, max_seq_tokens;
+  /* resources */
+  int threads, contexts, acc_slots, staging_mib, device;
+  int log_level; /* da_log_level */
+  int help;         /* --help was given */
+  int print_config; /* --print-config was given */
+} da_config;
+
+/* Names of the enum settings' values, for printing. */
+const char *da_config_backend_name(const da_config *c);
+
+/*
+ * Fills c from defaults, the config file, envp (NULL-terminated "NAME=value" strings, may
+ * be NULL) and argv[1..argc). On error returns DETATTN_INVALID_ARGUMENT with a message
+ * naming the setting, its source, the value and the bounds. --help sets c->help and stops
+ * parsing (no other checks); --print-config likewise sets c->print_config.
+ */
+int da_config_load(da_config *c, int argc, char *const argv[], char *const envp[], char *err,
+                   size_t errlen);
+
+/* Writes the usage text, one block per setting: flag, type, bounds, default, help. */
+void da_config_help(FILE *f);
+
+/* Writes a commented example config file with every setting at its default. */
+void da_config_example(FILE *f);
+
+#endif /* DA_CONFIG_H */

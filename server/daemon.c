@@ -1,0 +1,874 @@
+#include "daemon.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "kvcache.h"
+#include "log.h"
+#include "scheduler.h"
+#include "transport.h"
+#include "wire.h"
+#include "worker.h"
+
+#ifndef DA_SERVER_VERSION
+#define DA_SERVER_VERSION "0.0.0"
+#endif
+
+#define N_BUCKETS 256
+#define N_SAMPLES 4096
+#define EVENTS_PER_TICK 256
+
+typedef struct request request;
+
+typedef struct client {
+  uint32_t id;
+  int dead;
+  int n_seqs; /* sequences it owns */
+  int n_reqs; /* requests alive that point at it */
+  da_sched_queue q;
+  request *held_head, *held_tail; /* waiting for a sequence to go idle */
+  int drain_marked;
+  struct client *hnext;      /* hash chain */
+  struct client *drain_next; /* clients whose held requests may now run */
+} client;
+
+typedef struct seq_slot {
+  uint64_t wire; /* 0: free */
+  uint32_t generation;
+  client *owner;
+  int pending; /* admitted items not yet completed */
+  int closing; /* owner gone: close when pending reaches 0 */
+} seq_slot;
+
+struct request {
+  da_tctx *ctx;
+  client *cl;
+  da_wire_request w;
+  uint64_t recv_ns;
+  int status;
+  char err[256];
+  int n_items, items_left;
+  da_sched_item *items;
+  void *out; /* o and lse buffers of all items */
+  uint64_t batch_stamp;
+  request *next; /* held queue */
+};
+
+/* Count, sum, max over all time; the last N_SAMPLES samples for percentiles. */
+typedef struct summary {
+  uint64_t count;
+  double sum, max;
+  double ring[N_SAMPLES];
+} summary;
+
+typedef struct da_daemon {
+  const da_config *cfg;
+  da_model model;
+  da_numerics num;
+  uv_loop_t loop;
+  uv_async_t ev_async, done_async;
+  uv_signal_t sigterm, sigint;
+  uv_timer_t wait_timer;
+  int n_handles; /* open uv handles */
+  da_backend *be;
+  const da_backend_info *info;
+  da_kvcache *kv;
+  da_sched *sched;
+  da_worker *worker;
+  da_transport *tr;
+  da_sched_batch bufs[2];
+  da_sched_batch *running, *formed;
+  uint64_t batch_counter;
+  client *buckets[N_BUCKETS];
+  int n_clients;
+  client *drain_list;
+  seq_slot *seqs;
+  int max_seqs;
+  int n_held;
+  int loop_inited;
+  int draining, fatal, stopping;
+  int exit_code;
+  uint64_t start_ns;
+  /* stats */
+  uint64_t requests, errors, forward_tokens, batches, inrow_rows, partial_rows;
+  uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
+  summary batch_tokens, batch_requests, queue_us;
+} da_daemon;
+
+static void kick(da_daemon *d);
+static void maybe_stop(da_daemon *d);
+
+/* ---- stats ---- */
+
+static void summary_add(summary *s, double v) {
+  s->ring[s->count % N_SAMPLES] = v;
+  s->count++;
+  s->sum += v;
+  if (v > s->max) s->max = v;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static void summary_get(const summary *s, da_wire_summary *out) {
+  static double tmp[N_SAMPLES];
+  memset(out, 0, sizeof(*out));
+  out->count = s->count;
+  if (s->count == 0) return;
+  out->mean = s->sum / (double)s->count;
+  out->max = s->max;
+  size_t n = s->count < N_SAMPLES ? (size_t)s->count : N_SAMPLES;
+  memcpy(tmp, s->ring, n * sizeof(double));
+  qsort(tmp, n, sizeof(double), cmp_double);
+  out->p50 = tmp[(n - 1) / 2];
+  out->p99 = tmp[(size_t)((double)(n - 1) * 0.99)];
+}
+
+/* ---- clients and sequences ---- */
+
+static client *client_find(da_daemon *d, uint32_t id) {
+  for (client *c = d->buckets[id % N_BUCKETS]; c; c = c->hnext)
+    if (c->id == id) return c;
+  return NULL;
+}
+
+static void client_maybe_free(da_daemon *d, client *c) {
+  if (!c->dead || c->n_seqs > 0 || c->n_reqs > 0 || c->q.linked || c->q.head) return;
+  client **pp = &d->buckets[c->id % N_BUCKETS];
+  while (*pp != c) pp = &(*pp)->hnext;
+  *pp = c->hnext;
+  d->n_clients--;
+  free(c);
+}
+
+static seq_slot *seq_find(da_daemon *d, client *c, uint64_t wire) {
+  uint32_t h = (uint32_t)(wire & 0xffffffffu);
+  if (wire == 0 || h >= (uint32_t)d->max_seqs) return NULL;
+  seq_slot *s = &d->seqs[h];
+  if (s->wire != wire || s->owner != c || s->closing) return NULL;
+  return s;
+}
+
+static void seq_release(da_daemon *d, seq_slot *s) {
+  uint32_t h = (uint32_t)(s - d->seqs);
+  int rv = da_kvcache_close(d->kv, h);
+  if (rv != 0) da_log_error("closing KV sequence %u: %s", h, da_kvcache_errmsg(d->kv));
+  client *c = s->owner;
+  s->wire = 0;
+  s->owner = NULL;
+  s->closing = 0;
+  c->n_seqs--;
+  client_maybe_free(d, c);
+}
+
+/* ---- requests and replies ---- */
+
+static void request_free(da_daemon *d, request *r) {
+  client *c = r->cl;
+  da_wire_request_fini(&r->w);
+  free(r->items);
+  free(r->out);
+  free(r);
+  if (c) {
+    c->n_reqs--;
+    client_maybe_free(d, c);
+  }
+}
+
+static void send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp) {
+  d->requests++;
+  if (resp->code == 0) d->op_ok[op]++;
+  else {
+    d->errors++;
+    d->op_errors[op]++;
+    da_log_debug("request %llu (%s): %s: %s", (unsigned long long)resp->id, da_op_name(op),
+                 detattn_status_name(resp->code), resp->message ? resp->message : "");
+  }
+  if (d->tr) da_transport_reply(d->tr, ctx, resp);
+}
+
+static void reply_error(da_daemon *d, request *r, int code, const char *msg) {
+  da_wire_response resp = {.id = r->w.id, .code = code, .message = msg};
+  send_reply(d, r->ctx, r->w.op, &resp);
+  request_free(d, r);
+}
+
+static void reply_ok(da_daemon *d, request *r, da_wire_response *resp) {
+  resp->id = r->w.id;
+  resp->code = 0;
+  resp->op = r->w.op;
+  send_reply(d, r->ctx, r->w.op, resp);
+  request_free(d, r);
+}
+
+/* ---- op handlers: return 1 when r was answered or admitted, 0 when it must wait ---- */
+
+static int op_hello(da_daemon *d, request *r) {
+  const da_backend_info *in = d->info;
+  int pages = da_kvcache_pages_total(d->kv);
+  da_wire_hello_reply h = {
+      .server_version = DA_SERVER_VERSION,
+      .protocol_version = DETATTN_PROTOCOL_VERSION,
+      .model = d->model,
+      .page_tokens = d->cfg->page_tokens,
+      .backend = in->name,
+      .arch = in->arch,
+      .kernel_version = in->kernel_version,
+      .num = d->num,
+      .fingerprint = in->fingerprint,
+      .max_message_bytes = (uint64_t)d->cfg->max_message_bytes,
+      .max_tokens_per_request = (uint32_t)d->cfg->max_request_tokens,
+      .kv_capacity_tokens = (uint64_t)pages * (uint64_t)d->cfg->page_tokens,
+      .kv_pages = (uint32_t)pages,
+      .max_sequences = (uint32_t)d->max_seqs,
+  };
+  da_log_debug("hello from client %u (%s), protocol %u", r->cl->id, r->w.client_name, r->w.protocol_version);
+  da_wire_response resp = {.hello = &h};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_stats(da_daemon *d, request *r) {
+  da_wire_stats_reply s = {
+      .uptime_ms = (da_now_ns() - d->start_ns) / 1000000u,
+      .requests = d->requests,
+      .errors = d->errors,
+      .forward_tokens = d->forward_tokens,
+      .batches = d->batches,
+      .inrow_rows = d->inrow_rows,
+      .partial_rows = d->partial_rows,
+      .kv_pages_total = (uint32_t)da_kvcache_pages_total(d->kv),
+      .kv_pages_free = (uint32_t)da_kvcache_pages_free(d->kv),
+      .sequences = (uint32_t)da_kvcache_seqs_open(d->kv),
+      .clients = (uint32_t)d->n_clients,
+  };
+  s.kv_pages_used = s.kv_pages_total - s.kv_pages_free;
+  memcpy(s.op_ok, d->op_ok, sizeof(s.op_ok));
+  memcpy(s.op_errors, d->op_errors, sizeof(s.op_errors));
+  summary_get(&d->batch_tokens, &s.batch_tokens);
+  summary_get(&d->batch_requests, &s.batch_requests);
+  summary_get(&d->queue_us, &s.queue_us);
+  da_wire_response resp = {.stats = &s};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int new_seq(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
+  if (h >= (uint32_t)d->max_seqs) {
+    da_kvcache_close(d->kv, h);
+    return DETATTN_INTERNAL;
+  }
+  seq_slot *s = &d->seqs[h];
+  s->generation++;
+  if (s->generation == 0) s->generation = 1;
+  s->wire = ((uint64_t)s->generation << 32) | h;
+  s->owner = c;
+  s->pending = 0;
+  s->closing = 0;
+  c->n_seqs++;
+  *wire = s->wire;
+  return 0;
+}
+
+static int op_seq_open(da_daemon *d, request *r) {
+  uint32_t h;
+  int rv = da_kvcache_open(d->kv, &h);
+  if (rv != 0) {
+    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  if ((rv = new_seq(d, r->cl, h, &resp.seq)) != 0) {
+    reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int not_found(da_daemon *d, request *r, uint64_t wire, const char *field) {
+  char msg[160];
+  snprintf(msg, sizeof(msg), "%s: sequence %llu is not open on this connection", field,
+           (unsigned long long)wire);
+  reply_error(d, r, DETATTN_NOT_FOUND, msg);
+  return 1;
+}
+
+static int op_seq_fork(da_daemon *d, request *r) {
+  seq_slot *src = seq_find(d, r->cl, r->w.seq);
+  if (src == NULL) return not_found(d, r, r->w.seq, "seq_fork.src");
+  if (src->pending > 0) return 0;
+  uint32_t h;
+  int rv = da_kvcache_fork(d->kv, (uint32_t)(src - d->seqs), &h);
+  if (rv != 0) {
+    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  if ((rv = new_seq(d, r->cl, h, &resp.seq)) != 0) {
+    reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_seq_truncate(da_daemon *d, request *r) {
+  seq_slot *s = seq_find(d, r->cl, r->w.seq);
+  if (s == NULL) return not_found(d, r, r->w.seq, "seq_truncate.seq");
+  if (s->pending > 0) return 0;
+  int rv = da_kvcache_truncate(d->kv, (uint32_t)(s - d->seqs), (int)r->w.length);
+  if (rv != 0) {
+    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_seq_close(da_daemon *d, request *r) {
+  seq_slot *s = seq_find(d, r->cl, r->w.seq);
+  if (s == NULL) return not_found(d, r, r->w.seq, "seq_close.seq");
+  if (s->pending > 0) return 0;
+  seq_release(d, s);
+  da_wire_response resp = {0};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_forward(da_daemon *d, request *r) {
+  const da_wire_request *w = &r->w;
+  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
+  const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
+  seq_slot **slots = malloc((size_t)w->n_seqs * sizeof(*slots));
+  r->items = calloc((size_t)w->n_seqs, sizeof(*r->items));
+  r->out = malloc((size_t)w->n_tokens * (qrow + (w->want_lse ? lrow : 0)));
+  if (slots == NULL || r->items == NULL || r->out == NULL) {
+    free(slots);
+    reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the forward's outputs");
+    return 1;
+  }
+  char *o = r->out;
+  float *lse = (float *)(o + (size_t)w->n_tokens * qrow);
+  for (int i = 0; i < w->n_seqs; i++) {
+    const da_wire_fwd_seq *fs = &w->seqs[i];
+    char field[48];
+    slots[i] = seq_find(d, r->cl, fs->seq);
+    if (slots[i] == NULL) {
+      free(slots);
+      snprintf(field, sizeof(field), "forward.seqs[%d].seq", i);
+      return not_found(d, r, fs->seq, field);
+    }
+    da_sched_item *it = &r->items[i];
+    it->kv_seq = (uint32_t)(slots[i] - d->seqs);
+    it->wire_seq = fs->seq;
+    it->layer = w->layer;
+    it->pos = fs->pos;
+    it->n = fs->n_tokens;
+    it->q = fs->q;
+    it->k = fs->k;
+    it->v = fs->v;
+    it->o = o;
+    it->lse = w->want_lse ? lse : NULL;
+    it->user = r;
+    o += (size_t)fs->n_tokens * qrow;
+    if (w->want_lse) lse += (size_t)fs->n_tokens * (size_t)d->model.n_q_heads;
+  }
+  char err[256];
+  int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
+  if (rv != 0) {
+    free(slots);
+    reply_error(d, r, rv, err);
+    return 1;
+  }
+  for (int i = 0; i < w->n_seqs; i++) slots[i]->pending++;
+  free(slots);
+  r->n_items = r->items_left = w->n_seqs;
+  return 1;
+}
+
+typedef struct op_entry {
+  int (*fn)(da_daemon *d, request *r);
+  int ordered; /* names sequences: runs in the client's arrival order */
+} op_entry;
+
+static const op_entry ops[DA_OP_COUNT] = {
+    [DA_OP_HELLO] = {op_hello, 0},          [DA_OP_STATS] = {op_stats, 0},
+    [DA_OP_SEQ_OPEN] = {op_seq_open, 0},    [DA_OP_SEQ_FORK] = {op_seq_fork, 1},
+    [DA_OP_SEQ_TRUNCATE] = {op_seq_truncate, 1}, [DA_OP_SEQ_CLOSE] = {op_seq_close, 1},
+    [DA_OP_FORWARD] = {op_forward, 1},
+};
+
+static void hold(da_daemon *d, client *c, request *r) {
+  r->next = NULL;
+  if (c->held_tail) c->held_tail->next = r;
+  else c->held_head = r;
+  c->held_tail = r;
+  d->n_held++;
+}
+
+/* Runs the client's waiting requests in order until one must wait again. */
+static void drain_held(da_daemon *d, client *c) {
+  while (c->held_head) {
+    request *r = c->held_head;
+    c->held_head = r->next;
+    if (c->held_head == NULL) c->held_tail = NULL;
+    d->n_held--;
+    if (!ops[r->w.op].fn(d, r)) {
+      r->next = c->held_head;
+      c->held_head = r;
+      if (c->held_tail == NULL) c->held_tail = r;
+      d->n_held++;
+      return;
+    }
+  }
+}
+
+static void on_request(da_daemon *d, da_event *ev) {
+  da_wire_request *w = &ev->req;
+  if (w->status != 0) {
+    da_wire_response resp = {.id = w->id, .code = w->status, .message = w->err};
+    send_reply(d, ev->ctx, w->op, &resp);
+    return;
+  }
+  client *c = client_find(d, ev->client);
+  const char *why = c == NULL || c->dead ? "connection closed"
+                    : d->fatal           ? "device failed; the daemon is exiting"
+                    : d->draining        ? "draining"
+                                         : NULL;
+  if (why) {
+    da_wire_response resp = {.id = w->id, .code = DETATTN_UNAVAILABLE, .message = why};
+    send_reply(d, ev->ctx, w->op, &resp);
+    return;
+  }
+  request *r = calloc(1, sizeof(*r));
+  if (r == NULL) {
+    da_wire_response resp = {.id = w->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = "out of memory"};
+    send_reply(d, ev->ctx, w->op, &resp);
+    return;
+  }
+  r->ctx = ev->ctx;
+  r->cl = c;
+  r->recv_ns = ev->recv_ns;
+  r->w = *w;
+  memset(w, 0, sizeof(*w));
+  c->n_reqs++;
+  const op_entry *op = &ops[r->w.op];
+  if (op->fn == NULL) {
+    reply_error(d, r, DETATTN_UNIMPLEMENTED, "op not implemented");
+    return;
+  }
+  if (op->ordered && c->held_head) hold(d, c, r);
+  else if (!op->fn(d, r)) hold(d, c, r);
+}
+
+static void on_connect(da_daemon *d, uint32_t id) {
+  if (client_find(d, id)) return;
+  client *c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    da_log_error("out of memory for client %u", id);
+    return;
+  }
+  c->id = id;
+  da_sched_queue_init(&c->q);
+  c->hnext = d->buckets[id % N_BUCKETS];
+  d->buckets[id % N_BUCKETS] = c;
+  d->n_clients++;
+  da_log_debug("client %u connected (%d clients)", id, d->n_clients);
+}
+
+static void on_disconnect(da_daemon *d, uint32_t id) {
+  client *c = client_find(d, id);
+  if (c == NULL || c->dead) return;
+  c->dead = 1;
+  c->n_reqs++; /* keep c alive while we tear it down */
+  while (c->held_head) {
+    request *r = c->held_head;
+    c->held_head = r->next;
+    d->n_held--;
+    reply_error(d, r, DETATTN_UNAVAILABLE, "connection closed");
+  }
+  c->held_tail = NULL;
+  int closed = 0, deferred = 0;
+  for (int i = 0; i < d->max_seqs; i++) {
+    seq_slot *s = &d->seqs[i];
+    if (s->wire == 0 || s->owner != c) continue;
+    if (s->pending == 0) {
+      seq_release(d, s);
+      closed++;
+    } else {
+      s->closing = 1;
+      deferred++;
+    }
+  }
+  da_log_debug("client %u disconnected: %d sequences closed, %d closing after their work", id, closed,
+               deferred);
+  c->n_reqs--;
+  client_maybe_free(d, c);
+  maybe_stop(d);
+}
+
+static void on_events(uv_async_t *h) {
+  da_daemon *d = h->data;
+  if (d->tr == NULL) return;
+  for (int i = 0; i < EVENTS_PER_TICK; i++) {
+    da_event *ev = da_transport_poll(d->tr);
+    if (ev == NULL) break;
+    switch (ev->kind) {
+    case DA_EV_REQUEST: on_request(d, ev); break;
+    case DA_EV_CONNECT: on_connect(d, ev->client); break;
+    case DA_EV_DISCONNECT: on_disconnect(d, ev->client); break;
+    }
+    da_transport_event_free(ev);
+    if (i == EVENTS_PER_TICK - 1) uv_async_send(&d->ev_async);
+  }
+  kick(d);
+}
+
+/* ---- batches ---- */
+
+static void mark_drain(da_daemon *d, client *c) {
+  if (c->drain_marked || c->held_head == NULL) return;
+  c->drain_marked = 1;
+  c->drain_next = d->drain_list;
+  d->drain_list = c;
+}
+
+static void item_done(void *arg, da_sched_item *it) {
+  da_daemon *d = arg;
+  request *r = it->user;
+  seq_slot *s = &d->seqs[it->kv_seq];
+  if (--s->pending == 0) {
+    if (s->closing) seq_release(d, s);
+    else mark_drain(d, s->owner);
+  }
+  if (--r->items_left > 0) return;
+  if (r->status != 0) {
+    reply_error(d, r, r->status, r->err);
+    return;
+  }
+  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
+  da_wire_fwd_out *outs = calloc((size_t)r->n_items, sizeof(*outs));
+  if (outs == NULL) {
+    reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the reply");
+    return;
+  }
+  for (int i = 0; i < r->n_items; i++) {
+    da_sched_item *x = &r->items[i];
+    outs[i].o = x->o;
+    outs[i].o_len = (size_t)x->n * qrow;
+    if (x->lse) {
+      outs[i].lse = x->lse;
+      outs[i].lse_len = (size_t)x->n * (size_t)d->model.n_q_heads * sizeof(float);
+    }
+  }
+  d->forward_tokens += (uint64_t)r->w.n_tokens;
+  da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
+  reply_ok(d, r, &resp);
+  free(outs);
+}
+
+static void submit(da_daemon *d, da_sched_batch *b) {
+  uint64_t now = da_now_ns();
+  uint64_t stamp = ++d->batch_counter;
+  int n_reqs = 0;
+  for (int i = 0; i < b->n_entries; i++) {
+    da_sched_entry *e = &b->entries[i];
+    request *r = e->item->user;
+    if (r->batch_stamp != stamp) {
+      r->batch_stamp = stamp;
+      n_reqs++;
+    }
+    if (e->appends) summary_add(&d->queue_us, (double)(now - r->recv_ns) / 1e3);
+  }
+  summary_add(&d->batch_tokens, b->tokens);
+  summary_add(&d->batch_requests, n_reqs);
+  d->batches++;
+  d->running = b;
+  da_worker_submit(d->worker, &b->b, b);
+}
+
+static da_sched_batch *free_buf(da_daemon *d) {
+  for (int i = 0; i < 2; i++)
+    if (&d->bufs[i] != d->running && &d->bufs[i] != d->formed) return &d->bufs[i];
+  return NULL;
+}
+
+static int form(da_daemon *d, da_sched_batch *b) {
+  int rv = da_sched_form(d->sched, b, da_now_ns());
+  if (rv != 0) {
+    da_log_error("forming a batch: %s", detattn_status_name(rv));
+    return 0;
+  }
+  return b->n_entries > 0 || b->b.n_copies > 0;
+}
+
+static void on_wait_timer(uv_timer_t *t) { kick(t->data); }
+
+/* Keeps the worker busy: submit the formed batch, or form one when the wait window allows;
+ * while a batch runs, form the next one once a full batch is waiting. */
+static void kick(da_daemon *d) {
+  if (d->worker == NULL) return;
+  if (d->running == NULL) {
+    if (d->formed) {
+      da_sched_batch *b = d->formed;
+      d->formed = NULL;
+      submit(d, b);
+    } else if (da_sched_pending_tokens(d->sched) > 0) {
+      uint64_t oldest = da_sched_oldest_ns(d->sched), now = da_now_ns();
+      uint64_t wait_ns = (uint64_t)d->cfg->wait_us * 1000u;
+      if (wait_ns > 0 && da_sched_pending_tokens(d->sched) < d->cfg->max_batch_tokens && !d->draining &&
+          now < oldest + wait_ns) {
+        uint64_t left_ms = (oldest + wait_ns - now + 999999u) / 1000000u;
+        if (!uv_is_active((uv_handle_t *)&d->wait_timer))
+          uv_timer_start(&d->wait_timer, on_wait_timer, left_ms, 0);
+        return;
+      }
+      da_sched_batch *b = free_buf(d);
+      if (b && form(d, b)) submit(d, b);
+    }
+  }
+  if (d->running && d->formed == NULL && da_sched_pending_tokens(d->sched) >= d->cfg->max_batch_tokens) {
+    da_sched_batch *b = free_buf(d);
+    if (b && form(d, b)) d->formed = b;
+  }
+}
+
+static void fail_batch(da_daemon *d, da_sched_batch *b, int code, const char *why) {
+  for (int i = 0; i < b->n_entries; i++) {
+    request *r = b->entries[i].item->user;
+    if (r->status == 0) {
+      r->status = code;
+      snprintf(r->err, sizeof(r->err), "backend failed: %.200s", why);
+    }
+  }
+}
+
+static void on_batch_done(uv_async_t *h) {
+  da_daemon *d = h->data;
+  void *tag;
+  int status;
+  da_batch_result res;
+  uint64_t run_ns;
+  if (!da_worker_take(d->worker, &tag, &status, &res, &run_ns)) return;
+  da_sched_batch *b = tag;
+  d->running = NULL;
+  if (status == 0) {
+    d->inrow_rows += (uint64_t)res.inrow_rows;
+    d->partial_rows += (uint64_t)res.partial_rows;
+  } else if (status == DETATTN_UNAVAILABLE) {
+    if (!d->fatal) da_log_error("backend device failed for good: %s; finishing and exiting", res.err);
+    d->fatal = 1;
+    d->draining = 1;
+    d->exit_code = DA_EXIT_DEVICE;
+    fail_batch(d, b, DETATTN_UNAVAILABLE, res.err);
+  } else {
+    da_log_error("backend run failed (%s): %s", detattn_status_name(status), res.err);
+    fail_batch(d, b, DETATTN_INTERNAL, res.err);
+  }
+  if (d->fatal && d->formed) fail_batch(d, d->formed, DETATTN_UNAVAILABLE, "device failed");
+  da_sched_complete(d->sched, b, item_done, d);
+  while (d->drain_list) {
+    client *c = d->drain_list;
+    d->drain_list = c->drain_next;
+    c->drain_marked = 0;
+    c->n_reqs++;
+    drain_held(d, c);
+    c->n_reqs--;
+    client_maybe_free(d, c);
+  }
+  kick(d);
+  maybe_stop(d);
+}
+
+static void on_worker_done(void *arg) {
+  da_daemon *d = arg;
+  uv_async_send(&d->done_async);
+}
+
+/* ---- start, drain, stop ---- */
+
+static void on_close(uv_handle_t *h) {
+  da_daemon *d = h->data;
+  d->n_handles--;
+}
+
+static void close_handles(da_daemon *d) {
+  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
+                       (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
+                       (uv_handle_t *)&d->wait_timer};
+  for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
+    if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
+}
+
+static void maybe_stop(da_daemon *d) {
+  if (!d->draining || d->stopping) return;
+  if (d->running || d->formed || d->n_held > 0 || da_sched_items_in_flight(d->sched) > 0) return;
+  d->stopping = 1;
+  da_log_info("drained; closing the listener");
+  da_transport_close(d->tr, 2000);
+  d->tr = NULL;
+  close_handles(d);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  da_daemon *d = h->data;
+  if (!d->draining) da_log_info("%s: draining (new requests get UNAVAILABLE)", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  d->draining = 1;
+  kick(d);
+  maybe_stop(d);
+}
+
+static int open_backend(da_daemon *d) {
+  const da_config *c = d->cfg;
+  int64_t n_pages = (c->kv_tokens + c->page_tokens - 1) / c->page_tokens;
+  if (n_pages > INT32_MAX) {
+    da_log_error("kv-tokens %lld is too many pages", (long long)c->kv_tokens);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  da_backend_cfg bc = {.model = d->model, .num = d->num, .page_tokens = c->page_tokens,
+                       .n_pages = (int)n_pages, .acc_slots = c->acc_slots,
+                       .staging_bytes = (size_t)c->staging_mib << 20, .n_threads = c->threads,
+                       .device = c->device};
+  char err[256] = "";
+  int rv = da_backend_open(&d->be, da_config_backend_name(c), &bc, err, sizeof(err));
+  if (rv != 0) {
+    da_log_error("backend %s: %s (%s)", da_config_backend_name(c), err, detattn_status_name(rv));
+    return rv;
+  }
+  d->info = da_backend_get_info(d->be);
+  const da_backend_info *in = d->info;
+  da_log_info("backend %s (%s), kernel version %u, S=%d T=%d, fingerprint %016llx", in->name, in->arch,
+              in->kernel_version, d->num.split_tokens, d->num.tile_tokens,
+              (unsigned long long)in->fingerprint);
+  da_log_info("KV cache: %lld tokens in %d pages (%.1f MiB); accumulators: %d slots; staging: %.1f MiB",
+              (long long)in->n_pages * c->page_tokens, in->n_pages, (double)in->kv_bytes / 1048576.0,
+              in->acc_slots, (double)in->staging_bytes / 1048576.0);
+  return 0;
+}
+
+static void wake_loop(void *arg) { uv_async_send(arg); }
+
+static int start(da_daemon *d) {
+  const da_config *c = d->cfg;
+  int rv;
+  if ((rv = open_backend(d)) != 0) return rv;
+  da_kvcache_cfg kc = {.n_layers = c->layers, .page_tokens = c->page_tokens, .n_pages = d->info->n_pages,
+                       .max_seqs = c->max_seqs, .max_seq_tokens = c->max_seq_tokens};
+  if ((rv = da_kvcache_alloc(&d->kv, &kc)) != 0) {
+    da_log_error("KV cache bookkeeping: %s", detattn_status_name(rv));
+    return rv;
+  }
+  d->max_seqs = c->max_seqs;
+  d->seqs = calloc((size_t)d->max_seqs, sizeof(*d->seqs));
+  if (d->seqs == NULL) return DETATTN_RESOURCE_EXHAUSTED;
+  int budget = c->max_batch_tokens;
+  if (d->info->max_batch_tokens > 0 && d->info->max_batch_tokens < budget) {
+    if (d->info->max_batch_tokens < c->max_request_tokens + c->split_tokens) {
+      da_log_error("the backend carries at most %d tokens per batch; max-request-tokens + split-tokens is %d",
+                   d->info->max_batch_tokens, c->max_request_tokens + c->split_tokens);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+    budget = d->info->max_batch_tokens;
+  }
+  da_sched_cfg sc = {.model = d->model, .split_tokens = c->split_tokens, .page_tokens = c->page_tokens,
+                     .max_batch_tokens = budget, .max_request_tokens = c->max_request_tokens,
+                     .acc_slots = d->info->acc_slots, .partial_rows = c->partial_rows};
+  if ((rv = da_sched_alloc(&d->sched, &sc, d->kv)) != 0) return rv;
+  da_sched_batch_init(&d->bufs[0]);
+  da_sched_batch_init(&d->bufs[1]);
+
+  if ((rv = uv_loop_init(&d->loop)) != 0) {
+    da_log_error("uv_loop_init: %s", uv_strerror(rv));
+    return DETATTN_INTERNAL;
+  }
+  d->loop_inited = 1;
+  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
+                       (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
+                       (uv_handle_t *)&d->wait_timer};
+  uv_async_init(&d->loop, &d->ev_async, on_events);
+  uv_async_init(&d->loop, &d->done_async, on_batch_done);
+  uv_signal_init(&d->loop, &d->sigterm);
+  uv_signal_init(&d->loop, &d->sigint);
+  uv_timer_init(&d->loop, &d->wait_timer);
+  for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) hs[i]->data = d;
+  d->n_handles = (int)(sizeof(hs) / sizeof(hs[0]));
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+
+  if ((rv = da_worker_start(&d->worker, d->be, on_worker_done, d)) != 0) {
+    da_log_error("cannot start the backend worker thread");
+    return rv;
+  }
+  size_t decode = (size_t)c->max_message_bytes * 2 + ((size_t)1 << 20);
+  da_transport_cfg tc = {.url = c->listen, .n_contexts = c->contexts,
+                         .limits = {.model = d->model, .max_request_tokens = c->max_request_tokens,
+                                    .max_message_bytes = (size_t)c->max_message_bytes,
+                                    .decode_bytes = decode},
+                         .notify = wake_loop, .arg = &d->ev_async};
+  char err[700] = "";
+  if ((rv = da_transport_open(&d->tr, &tc, err, sizeof(err))) != 0) {
+    da_log_error("%s", err);
+    return rv;
+  }
+  fprintf(stderr, "listening on %s\n", da_transport_url(d->tr));
+  return 0;
+}
+
+static void cleanup(da_daemon *d) {
+  if (d->tr) da_transport_close(d->tr, 0);
+  d->tr = NULL;
+  if (d->loop_inited) {
+    if (d->n_handles > 0) close_handles(d);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    if (uv_loop_close(&d->loop) != 0) da_log_warn("the loop closed with handles still open");
+  }
+  da_worker_stop(d->worker);
+  da_sched_batch_fini(&d->bufs[0]);
+  da_sched_batch_fini(&d->bufs[1]);
+  da_sched_free(d->sched);
+  for (int i = 0; i < N_BUCKETS; i++)
+    while (d->buckets[i]) {
+      client *c = d->buckets[i];
+      d->buckets[i] = c->hnext;
+      while (c->held_head) {
+        request *r = c->held_head;
+        c->held_head = r->next;
+        r->cl = NULL;
+        request_free(d, r);
+      }
+      free(c);
+    }
+  free(d->seqs);
+  da_kvcache_free(d->kv);
+  da_backend_close(d->be);
+}
+
+int da_daemon_main(const da_config *cfg) {
+  static da_daemon dd; /* large (stats rings); one per process */
+  da_daemon *d = &dd;
+  memset(d, 0, sizeof(*d));
+  d->cfg = cfg;
+  d->start_ns = da_now_ns();
+  d->model = (da_model){.n_layers = cfg->layers, .n_q_heads = cfg->q_heads, .n_kv_heads = cfg->kv_heads,
+                        .head_dim = cfg->head_dim, .dtype = (da_dtype)cfg->dtype,
+                        .scale = (float)cfg->scale, .softcap = (float)cfg->softcap, .window = cfg->window};
+  da_model_defaults(&d->model);
+  d->num = (da_numerics){.split_tokens = cfg->split_tokens, .tile_tokens = cfg->tile_tokens};
+  signal(SIGPIPE, SIG_IGN);
+  if (start(d) != 0) {
+    cleanup(d);
+    return DA_EXIT_START;
+  }
+  uv_run(&d->loop, UV_RUN_DEFAULT);
+  int code = d->exit_code;
+  cleanup(d);
+  da_log_info("exit %d", code);
+  return code;
+}

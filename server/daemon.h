@@ -1,0 +1,40 @@
+/*
+ * daemon.h — detattnd's loop: one libuv loop thread owns all daemon state (clients,
+ * sequences, the KV cache bookkeeping, the scheduler, stats) and dispatches each request
+ * through a table of op handlers. The transport (nng) hands it decoded requests; the worker
+ * runs batches on the backend and hands them back. Replies are encoded and sent from here.
+ *
+ * Ordering: sequences belong to the client connection (nng pipe) that opened them; other
+ * clients get NOT_FOUND. A client's requests that name sequences (fork, truncate, close,
+ * forward) are applied in arrival order: a Forward is admitted at once (its pages are
+ * reserved and its layer length advanced), while fork, truncate and close wait until the
+ * sequence has no queued or running work; while one waits, every later request of that
+ * client that names a sequence waits behind it. hello, stats and seq_open never wait.
+ *
+ * Wire sequence ids are (generation << 32) | KV cache handle, so a closed id is not
+ * reused until its handle has been opened 2^32 times.
+ *
+ * When a connection drops, its waiting requests are dropped, and its sequences are closed
+ * as soon as their queued and running work finishes (that work still runs; its replies go
+ * nowhere).
+ *
+ * SIGTERM/SIGINT: new requests get UNAVAILABLE "draining"; everything accepted is finished
+ * and answered, then the daemon exits 0. A backend run that reports a sticky device error
+ * (UNAVAILABLE) fails the requests of that batch and of every later one, and the daemon
+ * exits 3.
+ */
+#ifndef DA_DAEMON_H
+#define DA_DAEMON_H
+
+#include "config.h"
+
+#define DA_EXIT_OK 0
+#define DA_EXIT_START 1  /* could not start: backend, KV cache or listener */
+#define DA_EXIT_CONFIG 2 /* bad settings */
+#define DA_EXIT_DEVICE 3 /* the backend's device failed for good */
+
+/* Runs a daemon with cfg until it is told to stop; returns a DA_EXIT_* code. Prints
+ * "listening on <url>" to stderr when it accepts requests. */
+int da_daemon_main(const da_config *cfg);
+
+#endif /* DA_DAEMON_H */

@@ -1,0 +1,68 @@
+/*
+ * transport.h — detattnd's nng side: a rep0 socket listening on one URL, a pool of
+ * contexts (nng_ctx + nng_aio each), and pipe notifications. nng types stay in
+ * transport.c.
+ *
+ * A context receives one request, decodes and validates it (wire.h) in the aio callback,
+ * and hands it to the loop as an event; it is then held by the loop until
+ * da_transport_reply sends the response on it, after which it receives again. So at most
+ * n_contexts requests are in the daemon at once; more wait in nng.
+ *
+ * Message size: the socket's NNG_OPT_RECVMAXSZ is 2 x max_message_bytes (at least 1 MiB
+ * more). Requests above max_message_bytes and up to that hard cap are answered
+ * RESOURCE_EXHAUSTED; nng drops larger ones without a reply (the client times out).
+ *
+ * Thread: da_transport_poll, da_transport_reply and da_transport_close are called from the
+ * loop thread. The notify callback runs on nng threads; it must only wake the loop.
+ */
+#ifndef DA_TRANSPORT_H
+#define DA_TRANSPORT_H
+
+#include <stdint.h>
+
+#include "wire.h"
+
+typedef struct da_transport da_transport;
+typedef struct da_tctx da_tctx; /* a context held by the loop until it replies */
+
+typedef enum da_event_kind {
+  DA_EV_REQUEST = 0,    /* req is decoded (req.status says whether validation passed) */
+  DA_EV_CONNECT = 1,    /* a client connection (pipe) was added */
+  DA_EV_DISCONNECT = 2, /* a client connection was removed */
+} da_event_kind;
+
+typedef struct da_event {
+  da_event_kind kind;
+  uint32_t client; /* nng pipe id */
+  da_tctx *ctx;    /* DA_EV_REQUEST: where to send the reply */
+  uint64_t recv_ns;
+  size_t bytes;
+  da_wire_request req; /* DA_EV_REQUEST; the receiver may move it out (then zero it) */
+  struct da_event *next;
+} da_event;
+
+typedef struct da_transport_cfg {
+  const char *url;
+  int n_contexts;
+  da_wire_limits limits;
+  void (*notify)(void *arg); /* called on an nng thread after an event is queued */
+  void *arg;
+} da_transport_cfg;
+
+/* Opens the socket, creates the ipc directory if needed (mode 0700), listens and starts
+ * receiving. On failure writes a message to err. */
+int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen);
+/* The URL actually listened on (a tcp port 0 replaced by the port bound). */
+const char *da_transport_url(const da_transport *t);
+/* Pops the oldest event, or NULL. Free it with da_transport_event_free. */
+da_event *da_transport_poll(da_transport *t);
+void da_transport_event_free(da_event *ev);
+/* Encodes r and sends it on ctx; ctx goes back to receiving. Always consumes ctx. Returns
+ * non-zero if the reply could not be encoded or sent (it is then lost; the client times
+ * out). */
+int da_transport_reply(da_transport *t, da_tctx *ctx, const da_wire_response *r);
+/* Stops receiving, waits up to wait_ms for replies being sent, closes the socket and frees
+ * everything, queued events included. NULL is a no-op. */
+void da_transport_close(da_transport *t, int wait_ms);
+
+#endif /* DA_TRANSPORT_H */
