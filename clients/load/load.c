@@ -21,7 +21,7 @@ typedef struct worker {
   size_t cap_tokens;
   da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot;
   uint64_t sequences, forward_calls, tokens, prompt_tokens, output_tokens, last_done_ns;
-  uint64_t sequences_total, sequences_failed, forward_errors;
+  uint64_t sequences_total, sequences_failed, forward_errors, digest;
   int first_error_status;
   char first_error[160];
   da_record rec;
@@ -220,7 +220,13 @@ static void *worker_main(void *arg) {
     wk->sequences_total++;
     int rc = run_seq(wk, e->clients[idx % e->n_clients], e->w, e->chunk, idx, arrival,
                      e->warm_ns, true, &s);
-    if (rc == DETATTN_OK && da_record_take(&wk->rec, &s) == DETATTN_OK) {
+    if (rc == DETATTN_OK)
+      wk->digest += XXH3_64bits_withSeed(s.h, (size_t)e->w->n_layers * s.n_tokens * 8, idx);
+    if (rc == DETATTN_OK && !e->cfg->keep_hashes) {
+      free(s.h);
+      s.h = NULL;
+    }
+    if (rc == DETATTN_OK && (!s.h || da_record_take(&wk->rec, &s) == DETATTN_OK)) {
       pthread_mutex_lock(&e->mu);
       e->done_seqs++;
       pthread_mutex_unlock(&e->mu);
@@ -316,6 +322,7 @@ static void merge_worker(da_load_result *r, worker *wk) {
   r->sequences_total += wk->sequences_total;
   r->sequences_failed += wk->sequences_failed;
   r->forward_errors += wk->forward_errors;
+  r->digest += wk->digest;
   if (!r->first_error_status && wk->first_error_status) {
     r->first_error_status = wk->first_error_status;
     memcpy(r->first_error, wk->first_error, sizeof(r->first_error));

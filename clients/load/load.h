@@ -36,6 +36,8 @@ typedef struct da_load_cfg {
   uint32_t prefill_chunk; /* 0: whole prompt (capped by the daemon's max tokens) */
   uint32_t connections;   /* sequence i uses connection i % connections */
   int timeout_ms;
+  bool keep_hashes;       /* keep every output hash in the result's record (for --verify,
+                             --record, --compare); else only the digest */
   bool progress;
 } da_load_cfg;
 
@@ -52,7 +54,10 @@ typedef struct da_load_result {
   detattn_server_info info;
   bool have_stats;
   detattn_stats stats_before, stats_after;
-  da_record record; /* hashes of every completed sequence */
+  /* Sum over completed sequences of XXH3(sequence's output hashes, seed = index): equal
+   * for two runs that computed the same sequences with the same bits, in any order. */
+  uint64_t digest;
+  da_record record; /* hashes of every completed sequence, when cfg->keep_hashes */
 } da_load_result;
 
 /* Connects, reads hello (the model comes from the daemon), and fills w's model fields.

@@ -231,6 +231,7 @@ static int parse_args(options *o, int argc, char **argv) {
     return -1;
   }
   o->cfg.progress = !o->quiet && isatty(STDERR_FILENO);
+  o->cfg.keep_hashes = o->verify || o->record || o->compare;
   return 0;
 }
 

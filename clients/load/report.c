@@ -66,6 +66,8 @@ void da_report_print(FILE *f, const da_load_cfg *cfg, const da_workload *w,
   fprintf(f, "sequences: %" PRIu64 " measured, %" PRIu64 " run, %" PRIu64 " failed; Forward calls %"
           PRIu64 " measured, %" PRIu64 " errors\n", res->sequences, res->sequences_total,
           res->sequences_failed, res->forward_calls, res->forward_errors);
+  fprintf(f, "output digest: %016" PRIx64 " over %" PRIu64 " sequences (equal digests: equal bits)\n",
+          res->digest, res->sequences_total - res->sequences_failed);
   if (res->first_error_status)
     fprintf(f, "first error: %s\n", res->first_error);
   if (res->have_stats) {
@@ -142,6 +144,8 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
   hex(fp, res->info.fingerprint);
   cJSON_AddStringToObject(root, "fingerprint", fp);
   cJSON_AddStringToObject(root, "numerics", res->record.numerics);
+  hex(fp, res->digest);
+  cJSON_AddStringToObject(root, "output_digest", fp);
   cJSON_AddNumberToObject(root, "sequences", (double)res->sequences);
   cJSON_AddNumberToObject(root, "sequences_run", (double)res->sequences_total);
   cJSON_AddNumberToObject(root, "sequences_failed", (double)res->sequences_failed);

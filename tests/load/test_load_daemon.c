@@ -259,14 +259,17 @@ END_TEST
 
 START_TEST(compare_detects_a_daemon_with_another_split_size) {
   check_daemons();
-  char rec[128], jb[128], ja[128];
+  char rec[128], jr[128], jb[128], ja[128];
   snprintf(rec, sizeof(rec), "%s/a.rec", dir);
+  snprintf(jr, sizeof(jr), "%s/rec.json", dir);
   snprintf(jb, sizeof(jb), "%s/cmp_b.json", dir);
   snprintf(ja, sizeof(ja), "%s/cmp_a2.json", dir);
   /* Recorded alone (concurrency 1), compared under load (concurrency 4, 2 connections). */
   const char *rec_args[] = {"--concurrency", "1", "--requests", "6", "--seed", "5", "--prompt",
-                            "70:200", "--output", "2:6", "--record", rec, NULL};
+                            "70:200", "--output", "2:6", "--record", rec, "--json", jr, NULL};
   ck_assert_int_eq(run_load("record", daemon_url[0], rec_args), 0);
+  cJSON *jrec = load_json("rec.json");
+  const char *digest = cJSON_GetObjectItemCaseSensitive(jrec, "output_digest")->valuestring;
   const char *b_args[] = {"--concurrency", "4", "--connections", "2", "--requests", "6",
                           "--seed", "5", "--prompt", "70:200", "--output", "2:6", "--compare",
                           rec, "--json", jb, NULL};
@@ -279,6 +282,7 @@ START_TEST(compare_detects_a_daemon_with_another_split_size) {
   ck_assert(num(c, "mismatches") < num(c, "outputs_compared")); /* positions < 64 agree */
   const cJSON *first = obj(c, "first_difference");
   ck_assert(num(first, "token") >= 64);
+  ck_assert_str_ne(cJSON_GetObjectItemCaseSensitive(j, "output_digest")->valuestring, digest);
   cJSON_Delete(j);
 
   const char *a_args[] = {"--concurrency", "4", "--connections", "2", "--requests", "6",
@@ -292,7 +296,9 @@ START_TEST(compare_detects_a_daemon_with_another_split_size) {
   ck_assert_uint_eq((uint64_t)num(c, "mismatches"), 0);
   ck_assert_uint_eq((uint64_t)num(c, "sequences_compared"), 6);
   ck_assert(num(c, "outputs_compared") > 6 * 70 * LAYERS);
+  ck_assert_str_eq(cJSON_GetObjectItemCaseSensitive(j, "output_digest")->valuestring, digest);
   cJSON_Delete(j);
+  cJSON_Delete(jrec);
 }
 END_TEST
 
