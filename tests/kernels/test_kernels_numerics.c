@@ -1,0 +1,163 @@
+/* The CPU backend's shared numerics (kernels/cpu/numerics.h): exact dtype loads, and the
+ * accuracy and exact points of its exp, log, tanh and merge. */
+#include <stdio.h>
+
+#include "kt.h"
+#include "numerics.h"
+
+START_TEST(fp16_load_equals_reference_conversion_for_all_inputs) {
+  for (uint32_t h = 0; h < 65536; h++) {
+    const uint32_t a = da_cpu_bits(da_cpu_fp16((uint16_t)h));
+    const uint32_t b = da_cpu_bits(da_fp16_to_f32((uint16_t)h));
+    ck_assert_msg(a == b, "fp16 0x%04x: 0x%08x vs reference 0x%08x", h, a, b);
+  }
+}
+END_TEST
+
+START_TEST(bf16_load_equals_reference_conversion_for_all_inputs) {
+  for (uint32_t h = 0; h < 65536; h++) {
+    const uint32_t a = da_cpu_bits(da_cpu_bf16((uint16_t)h));
+    const uint32_t b = da_cpu_bits(da_bf16_to_f32((uint16_t)h));
+    ck_assert_msg(a == b, "bf16 0x%04x: 0x%08x vs reference 0x%08x", h, a, b);
+  }
+}
+END_TEST
+
+START_TEST(exp_is_accurate_on_its_domain_and_exact_at_zero) {
+  ck_assert(da_cpu_expf(0.0f) == 1.0f);
+  ck_assert(da_cpu_expf(-0.0f) == 1.0f);
+  ck_assert(da_cpu_expf(-INFINITY) == 0.0f);
+  ck_assert(da_cpu_bits(da_cpu_expf(-INFINITY)) == 0u);
+  ck_assert(isnan(da_cpu_expf(NAN)));
+  double worst = 0.0;
+  float at = 0.0f;
+  for (float x = -87.0f; x <= 0.0f; x = nextafterf(x, 1.0f) + 1e-5f) {
+    const double e = fabs((double)da_cpu_expf(x) / exp((double)x) - 1.0);
+    if (e > worst) worst = e, at = x;
+  }
+  printf("exp: max rel err %.3e at %.6f\n", worst, at);
+  ck_assert_msg(worst < 4e-7, "exp rel err %.3e at %.9g", worst, at);
+}
+END_TEST
+
+START_TEST(log_is_accurate_from_one_to_ten_million) {
+  ck_assert(da_cpu_logf(1.0f) == 0.0f);
+  ck_assert(isnan(da_cpu_logf(NAN)));
+  double worst = 0.0;
+  float at = 0.0f;
+  for (float x = 1.0f; x < 1e7f; x = x * 1.0001f + 1e-7f) {
+    const double ref = log((double)x);
+    const double e = fabs((double)da_cpu_logf(x) - ref) / (ref > 1.0 ? ref : 1.0);
+    if (e > worst) worst = e, at = x;
+  }
+  printf("log: max err %.3e at %.6f\n", worst, at);
+  ck_assert_msg(worst < 4e-7, "log err %.3e at %.9g", worst, at);
+}
+END_TEST
+
+START_TEST(tanh_is_accurate_and_odd) {
+  double worst = 0.0;
+  for (float x = -30.0f; x <= 30.0f; x += 0.000731f) {
+    const float t = da_cpu_tanhf(x);
+    ck_assert(da_cpu_bits(t) == (da_cpu_bits(da_cpu_tanhf(-x)) ^ 0x80000000u) || t == 0.0f);
+    const double e = fabs((double)t - tanh((double)x));
+    if (e > worst) worst = e;
+  }
+  printf("tanh: max abs err %.3e\n", worst);
+  ck_assert_msg(worst < 4e-7, "tanh abs err %.3e", worst);
+}
+END_TEST
+
+START_TEST(merge_of_equal_halves_keeps_output_and_adds_log2) {
+  const uint64_t seed = da_test_seed(42);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  float o[128], ob[128], o0[128];
+  for (int c = 0; c < 128; c++) o[c] = ob[c] = o0[c] = (float)da_rng_normal(&r);
+  const float l0 = (float)(da_rng_uniform(&r) * 20.0 - 5.0);
+  float lse = l0;
+  da_cpu_merge(o, &lse, ob, l0, 128);
+  ck_assert_msg(memcmp(o, o0, sizeof(o)) == 0, "seed %llu: merge changed o", (unsigned long long)seed);
+  ck_assert_msg(fabs((double)lse - ((double)l0 + log(2.0))) < 1e-5, "seed %llu: lse %.9g",
+                (unsigned long long)seed, lse);
+}
+END_TEST
+
+START_TEST(merge_weights_splits_by_their_lse) {
+  const uint64_t seed = da_test_seed(43);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  for (int trial = 0; trial < 100; trial++) {
+    float o[64], ob[64];
+    double ref[64];
+    const double la = da_rng_normal(&r) * 4.0, lb = da_rng_normal(&r) * 4.0;
+    for (int c = 0; c < 64; c++) {
+      o[c] = (float)da_rng_normal(&r);
+      ob[c] = (float)da_rng_normal(&r);
+      const double mx = la > lb ? la : lb;
+      const double wa = exp(la - mx), wb = exp(lb - mx);
+      ref[c] = (o[c] * wa + ob[c] * wb) / (wa + wb);
+    }
+    float lse = (float)la;
+    da_cpu_merge(o, &lse, ob, (float)lb, 64);
+    const double lref = fmax(la, lb) + log(exp(la - fmax(la, lb)) + exp(lb - fmax(la, lb)));
+    ck_assert_msg(da_test_max_abs_err_f32(o, ref, 64) < 1e-5, "seed %llu trial %d",
+                  (unsigned long long)seed, trial);
+    ck_assert_msg(fabs(lse - lref) < 1e-5, "seed %llu trial %d: lse %.7g vs %.7g",
+                  (unsigned long long)seed, trial, lse, lref);
+  }
+}
+END_TEST
+
+START_TEST(tile_update_in_two_tiles_matches_fp64_softmax) {
+  const uint64_t seed = da_test_seed(44);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  enum { T = 32, D = 64 };
+  float s[2][T], p[T], vt[2][T * D], acc[D], o[D];
+  double ref[D], mx = -INFINITY, l = 0.0;
+  for (int t = 0; t < 2; t++)
+    for (int i = 0; i < T; i++) {
+      s[t][i] = (float)(da_rng_normal(&r) * 3.0);
+      for (int c = 0; c < D; c++) vt[t][i * D + c] = (float)da_rng_normal(&r);
+    }
+  /* Tile 0 uses keys [5, 32), tile 1 keys [0, 20). */
+  const int lo[2] = {5, 0}, hi[2] = {T, 20};
+  for (int t = 0; t < 2; t++)
+    for (int i = lo[t]; i < hi[t]; i++) mx = s[t][i] > mx ? s[t][i] : mx;
+  for (int c = 0; c < D; c++) ref[c] = 0.0;
+  for (int t = 0; t < 2; t++)
+    for (int i = lo[t]; i < hi[t]; i++) {
+      const double e = exp(s[t][i] - mx);
+      l += e;
+      for (int c = 0; c < D; c++) ref[c] += e * vt[t][i * D + c];
+    }
+  for (int c = 0; c < D; c++) ref[c] /= l;
+  da_cpu_row st = {.acc = acc};
+  da_cpu_row_init(&st, D);
+  for (int t = 0; t < 2; t++) da_cpu_tile_update(&st, s[t], p, vt[t], D, lo[t], hi[t]);
+  const float lse = da_cpu_finalize(&st, D, o);
+  ck_assert_msg(da_test_rel_err_f32(o, ref, D) < 1e-5, "seed %llu", (unsigned long long)seed);
+  ck_assert_msg(fabs(lse - (mx + log(l))) < 1e-5, "seed %llu", (unsigned long long)seed);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("kernels_numerics");
+  TCase *tc = tcase_create("cpu");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, fp16_load_equals_reference_conversion_for_all_inputs);
+  tcase_add_test(tc, bf16_load_equals_reference_conversion_for_all_inputs);
+  tcase_add_test(tc, exp_is_accurate_on_its_domain_and_exact_at_zero);
+  tcase_add_test(tc, log_is_accurate_from_one_to_ten_million);
+  tcase_add_test(tc, tanh_is_accurate_and_odd);
+  tcase_add_test(tc, merge_of_equal_halves_keeps_output_and_adds_log2);
+  tcase_add_test(tc, merge_weights_splits_by_their_lse);
+  tcase_add_test(tc, tile_update_in_two_tiles_matches_fp64_softmax);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? 1 : 0;
+}
