@@ -53,8 +53,8 @@ int da_trace_load(const char *path, da_trace_entry **out, size_t *n, char *msg, 
 void da_workload_lengths(const da_workload *w, uint64_t i, uint32_t *prompt, uint32_t *output);
 
 /* The inputs of sequence i, layer `layer`, positions [pos, pos + n):
- * q: [n][n_q_heads][head_dim], k, v: [n][n_kv_heads][head_dim], N(0, 1) values in the
- * model dtype, each token's rows drawn from a generator seeded by (seed, i, layer, pos). */
+ * q: [n][n_q_heads][head_dim], k, v: [n][n_kv_heads][head_dim], unit-variance uniform
+ * values in the model dtype, each token's rows drawn from a generator seeded by (seed, i, layer, pos). */
 void da_workload_inputs(const da_workload *w, uint64_t i, uint32_t layer, uint32_t pos,
                         uint32_t n, void *q, void *k, void *v);
 

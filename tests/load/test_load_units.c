@@ -154,6 +154,15 @@ START_TEST(workload_inputs_do_not_depend_on_chunking) {
   int nonzero = 0;
   for (size_t i = 0; i < qn; i++) nonzero += (q[i] & 0x7fff) != 0;
   ck_assert_int_gt(nonzero, (int)(qn * 9 / 10));
+  double sum = 0, sumsq = 0;
+  for (size_t i = 0; i < qn; i++) {
+    double x = da_to_f32(DA_BF16, q[i]);
+    sum += x;
+    sumsq += x * x;
+  }
+  double mean = sum / (double)qn, var = sumsq / (double)qn - mean * mean;
+  ck_assert_msg(fabs(mean) < 0.1 && fabs(var - 1.0) < 0.1,
+                "inputs mean %g variance %g, want about 0 and 1 (seed %" PRIu64 ")", mean, var, seed);
   da_workload_inputs(&w, 8, 2, 100, N, q2, k2, v2);
   ck_assert(memcmp(q, q2, qn * 2) != 0);
   da_workload_inputs(&w, 7, 1, 100, N, q2, k2, v2);
