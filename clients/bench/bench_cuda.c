@@ -1,0 +1,166 @@
+/*
+ * bench_cuda.c — the CUDA path of detattn-bench: times the attention and combine kernels
+ * with CUDA events after warm-up, with K/V and queries already on the device (filled there
+ * from a seed; the host staging path is not timed).
+ *
+ * Decode: B in {1, 8, 32, 64, 128} x L in {1k, 4k, 16k, 64k}, Hq 32, Hkv 8, d 128, bf16,
+ * page 16, S 512 (fixed splits) and, for comparison only, an occupancy-chosen split size.
+ * Prefill: B 8 x L 4096 x H 32 at d 64 and 128, and B 2 x L 16384 x H 32 at d 128, causal
+ * (the contract is causal; non-causal rows are reported for the peers only).
+ * Prints one CSV line per case (header "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,
+ * combine_ms,kv_tbs,tflops"), the input of clients/bench/sdpa_peer.py --ours.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cuda_backend.h"
+
+int da_bench_cuda(int argc, char **argv);
+
+typedef struct shape {
+  const char *kind;
+  int B, L, hq, hkv, d;
+} shape;
+
+static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t staging) {
+  da_backend_cfg cfg = {.model = {.n_layers = 1, .n_q_heads = hq, .n_kv_heads = hkv,
+                                  .head_dim = d, .dtype = DA_BF16},
+                        .num = {.split_tokens = DA_DEFAULT_SPLIT_TOKENS, .tile_tokens = 64},
+                        .page_tokens = 16, .n_pages = (int)((tokens + 15) / 16),
+                        .staging_bytes = staging};
+  da_model_defaults(&cfg.model);
+  da_backend_info info;
+  char err[256];
+  int rv = da_cuda_backend_ops.create(ctx, &cfg, &info, err, sizeof(err));
+  if (rv != 0) {
+    fprintf(stderr, "bench cuda: create: %s\n", err);
+    return rv;
+  }
+  fprintf(stderr, "bench cuda: %s, KV %.1f GiB, acc %.0f MiB, staging %.0f MiB\n", info.arch,
+          info.kv_bytes / 1073741824.0, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0);
+  return da_cuda_bench_fill_kv(*ctx, 42);
+}
+
+/* Times one batch of B sequences of n_q queries ending at L on shuffled pages. */
+static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mode, const char *label,
+                     int32_t *pool_perm, int iters) {
+  da_attn *at = calloc((size_t)s->B, sizeof(*at));
+  const int np = (s->L + 15) / 16;
+  for (int b = 0; b < s->B; b++)
+    at[b] = (da_attn){.layer = 0, .q_pos = s->L - n_q, .n_q = n_q,
+                      .pages = pool_perm + (size_t)b * np, .n_pages = np};
+  da_batch bt = {.attns = at, .n_attns = s->B, .split_mode = mode};
+  da_batch_result res;
+  int rv = da_cuda_bench_prepare(ctx, &bt, S, 7, &res);
+  free(at);
+  if (rv != 0) {
+    fprintf(stderr, "bench cuda: prepare %s B=%d L=%d: %s\n", s->kind, s->B, s->L, res.err);
+    return rv;
+  }
+  double ta, tc;
+  int n_sm;
+  rv = da_cuda_bench_time(ctx, 3, iters, &ta, &tc, &n_sm);
+  if (rv != 0) return rv;
+  const double ms = ta + tc;
+  double kv_bytes, flops;
+  if (n_q == 1) {
+    kv_bytes = (double)s->B * s->L * s->hkv * s->d * 4.0;
+    flops = 4.0 * s->B * s->hq * (double)s->L * s->d;
+  } else {
+    kv_bytes = (double)s->B * s->L * s->hkv * s->d * 4.0;
+    flops = 4.0 * s->B * s->hq * s->d * ((double)n_q * (n_q + 1) / 2.0);
+  }
+  printf("%s,%d,%d,%d,%d,%d,1,%s%s,%d,%.4f,%.4f,%.4f,%.3f,%.1f\n", s->kind, s->B, s->L, s->hq,
+         s->hkv, s->d, label, res.partial_rows > 0 ? "+partial" : "+inrow", S, ms, ta, tc,
+         kv_bytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12);
+  fflush(stdout);
+  return 0;
+}
+
+static int32_t *shuffled(int64_t n, uint64_t seed) {
+  int32_t *p = malloc(sizeof(int32_t) * (size_t)n);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  for (int64_t i = 0; i < n; i++) p[i] = (int32_t)i;
+  for (int64_t i = n - 1; i > 0; i--) {
+    int64_t j = da_rng_range(&r, 0, i);
+    int32_t t = p[i];
+    p[i] = p[j], p[j] = t;
+  }
+  return p;
+}
+
+static int occupancy_split(int B, int hkv, int L, int n_sm) {
+  /* What a split-count heuristic does: enough CTAs for two waves of the SMs. */
+  int per_row = (2 * n_sm + B * hkv - 1) / (B * hkv);
+  if (per_row < 1) per_row = 1;
+  int S = (L + per_row - 1) / per_row;
+  S = (S + 63) / 64 * 64;
+  return S < 64 ? 64 : S;
+}
+
+int da_bench_cuda(int argc, char **argv) {
+  int quick = 0, do_decode = 1, do_prefill = 1;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--quick") == 0) quick = 1;
+    else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
+    else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
+  }
+  printf("kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops\n");
+  int rv = 0;
+  void *ctx = NULL;
+  int n_sm = 132;
+  if (do_decode) {
+    static const int Bs[] = {1, 8, 32, 64, 128};
+    static const int Ls[] = {1024, 4096, 16384, 65536};
+    const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
+    rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
+    if (rv != 0) return rv;
+    int32_t *perm = shuffled((max_tokens + 15) / 16, 1);
+    double ta, tc;
+    for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
+      for (size_t li = 0; li < sizeof(Ls) / sizeof(Ls[0]); li++) {
+        shape s = {"decode", Bs[bi], Ls[li], 32, 8, 128};
+        if ((int64_t)s.B * s.L > max_tokens) continue;
+        if (quick && s.B > 8) continue;
+        rv = time_case(ctx, &s, 1, 0, DA_SPLIT_AUTO, "fixedS", perm, 20);
+        if (rv != 0) goto out;
+        if (bi == 0 && li == 0) da_cuda_bench_time(ctx, 0, 1, &ta, &tc, &n_sm);
+        int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
+        rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20);
+        if (rv != 0) goto out;
+      }
+    }
+    free(perm);
+    da_cuda_backend_ops.destroy(ctx);
+    ctx = NULL;
+  }
+  if (do_prefill) {
+    static const shape ps[] = {{"prefill", 8, 4096, 32, 32, 64},
+                               {"prefill", 8, 4096, 32, 32, 128},
+                               {"prefill", 2, 16384, 32, 32, 128}};
+    for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) {
+      const shape *s = &ps[i];
+      if (quick && i > 0) break;
+      const int64_t tokens = (int64_t)s->B * s->L;
+      const size_t staging = (size_t)tokens * s->hq * s->d * 2 + (64u << 20);
+      rv = open_ctx(&ctx, s->hq, s->hkv, s->d, tokens, staging);
+      if (rv != 0) return rv;
+      int32_t *perm = shuffled((tokens + 15) / 16, 2);
+      rv = time_case(ctx, s, s->L, 0, DA_SPLIT_AUTO, "fixedS", perm, 10);
+      free(perm);
+      da_cuda_backend_ops.destroy(ctx);
+      ctx = NULL;
+      if (rv != 0) return rv;
+    }
+  }
+out:
+  if (ctx != NULL) da_cuda_backend_ops.destroy(ctx);
+  return rv;
+}
+
+#ifdef DA_BENCH_CUDA_MAIN
+int main(int argc, char **argv) { return da_bench_cuda(argc, argv); }
+#endif

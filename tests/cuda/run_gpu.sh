@@ -1,0 +1,37 @@
+#!/bin/bash
+# On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
+# tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all] [--quick]
+set -u
+what=${1:-all}
+quick=${2:-}
+OUT=${OUT:-/tmp/detattn-gpu}
+mkdir -p "$OUT"
+eval "$(bash .devdeps/unpack.sh)"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+t0=$(date +%s.%N)
+cmake --build build-gpu --target da_cuda -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
+t1=$(date +%s.%N)
+cmake --build build-gpu --target test_cuda -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
+echo "da_cuda build (16 jobs): $(echo "$t1 - $t0" | bc) s" | tee "$OUT/summary.txt"
+rc=0
+if [ "$what" != bench ]; then
+  ctest --test-dir build-gpu -L gpu --output-on-failure > "$OUT/ctest.log" 2>&1 || rc=1
+  grep -E "tests passed|Test +#|Failed|Skipped|Checks|seed" "$OUT/ctest.log" | tail -20 | tee -a "$OUT/summary.txt"
+  [ $rc -ne 0 ] && grep -E "test_cuda.c:[0-9]+|ERROR|Invalid|error" "$OUT/ctest.log" | head -30
+fi
+if [ "$what" != tests ]; then
+  cc -O2 -std=c11 -D_GNU_SOURCE -DDETATTN_HAVE_CUDA -DDA_BENCH_CUDA_MAIN -Ikernels -Ikernels/cuda \
+    -Iplugin/include -I/usr/local/cuda/include clients/bench/bench_cuda.c build-gpu/lib/libda_kernels.a \
+    build-gpu/lib/libda_cuda.a build-gpu/lib/libda_core.a -L/usr/local/cuda/lib64 -lcudart \
+    $(pkg-config --libs libxxhash) -lm -lpthread -lstdc++ -o build-gpu/bench_cuda || exit 1
+  bqs=""; [ "$quick" = --quick ] && bqs=--quick
+  build-gpu/bench_cuda $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
+  python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
+    > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
+  cat "$OUT/ours.csv"
+  cat "$OUT/table.md"
+fi
+exit $rc
