@@ -347,12 +347,17 @@ void da_config_help(FILE *f) {
 }
 
 void da_config_example(FILE *f) {
-  fprintf(f, "; detattnd configuration: name = value, names as the command-line flags.\n");
+  fprintf(f,
+          "; detattnd configuration file (ini). Keys are the command-line flag names; sections\n"
+          "; are ignored. Precedence: defaults < this file < environment DETATTND_<NAME> < flags.\n"
+          "; Every setting is listed at its default, commented out.\n");
   for (size_t i = 0; i < N_SETTINGS; i++) {
     const setting *s = &table[i];
     if (s->type == T_FLAG || strcmp(s->name, "config") == 0) continue;
-    char b[64];
+    char b[64], en[64];
     bounds_text(s, b, sizeof(b));
-    fprintf(f, "\n; %s%s%s\n;%s = %s\n", s->help, b[0] ? " " : "", b, s->name, s->def);
+    env_name(s, en, sizeof(en));
+    fprintf(f, "\n; %s\n; %s%s%s, env %s\n;%s = %s\n", s->help, type_name(s->type), b[0] ? " " : "", b, en,
+            s->name, s->def);
   }
 }
