@@ -57,28 +57,36 @@ static void load_q(const da_cpu *be, const block *bk, float *q) {
 }
 
 /* Converts keys [lo, hi] of the tile starting at ts into kt (transposed) and vt; the
- * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. */
+ * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. In the
+ * pool a page's keys are stored transposed ([d][page_tokens]) and its values row-major
+ * ([page_tokens][d]), so both copies below run over contiguous memory. */
 DA_CPU_HOT
 static void load_tile(const da_cpu *be, const block *bk, int ts, int lo, int hi, float *kt,
                       float *vt) {
   const int d = be->d, tile = be->tile, ptok = be->ptok;
+  const int bf16 = be->cfg.model.dtype == DA_BF16;
   const uint16_t *kbase = be->kv + (size_t)bk->a->layer * 2 * be->layer_elems;
   const uint16_t *vbase = kbase + be->layer_elems;
   if (lo > ts || hi < ts + tile - 1)
     for (size_t i = 0; i < (size_t)d * tile; i++) kt[i] = 0.0f;
-  for (int pos = lo; pos <= hi; pos++) {
-    const size_t off = (size_t)bk->a->pages[pos / ptok] * be->page_elems +
-                       ((size_t)bk->kvh * ptok + pos % ptok) * d;
-    const uint16_t *k = kbase + off, *v = vbase + off;
-    const int i = pos - ts;
-    float *vrow = vt + (size_t)i * d;
-    if (be->cfg.model.dtype == DA_BF16) {
-      for (int c = 0; c < d; c++) kt[(size_t)c * tile + i] = da_cpu_bf16(k[c]);
-      for (int c = 0; c < d; c++) vrow[c] = da_cpu_bf16(v[c]);
+  for (int pos = lo; pos <= hi;) {
+    const int slot = pos % ptok;
+    const int n = hi - pos + 1 < ptok - slot ? hi - pos + 1 : ptok - slot;
+    const size_t page = (size_t)bk->a->pages[pos / ptok] * be->page_elems +
+                        (size_t)bk->kvh * ptok * d;
+    const uint16_t *k = kbase + page + slot, *v = vbase + page + (size_t)slot * d;
+    float *kd = kt + (pos - ts), *vd = vt + (size_t)(pos - ts) * d;
+    const size_t nv = (size_t)n * d;
+    if (bf16) {
+      for (int c = 0; c < d; c++)
+        for (int i = 0; i < n; i++) kd[(size_t)c * tile + i] = da_cpu_bf16(k[(size_t)c * ptok + i]);
+      for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_bf16(v[i]);
     } else {
-      for (int c = 0; c < d; c++) kt[(size_t)c * tile + i] = da_cpu_fp16(k[c]);
-      for (int c = 0; c < d; c++) vrow[c] = da_cpu_fp16(v[c]);
+      for (int c = 0; c < d; c++)
+        for (int i = 0; i < n; i++) kd[(size_t)c * tile + i] = da_cpu_fp16(k[(size_t)c * ptok + i]);
+      for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_fp16(v[i]);
     }
+    pos += n;
   }
 }
 

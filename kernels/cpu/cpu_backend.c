@@ -1,7 +1,9 @@
 /*
  * The CPU backend: the determinism contract of DESIGN.md §1 in portable C, multithreaded.
- * Pools in host memory, taken once in create(): the KV pool
- * [layer][K|V][page][kv_head][page_tokens][head_dim] in the model dtype, the accumulator
+ * Pools in host memory, taken once in create(): the KV pool in the model dtype,
+ * [layer][K][page][kv_head][head_dim][page_tokens] for keys (transposed within a page, so
+ * that a tile's keys load into the transposed tile by contiguous runs) and
+ * [layer][V][page][kv_head][page_tokens][head_dim] for values; the accumulator
  * pool, the plan arrays and per-thread scratch. run() validates the whole batch before it
  * writes anything, then copies pages and appends K/V in the calling thread, then runs the
  * attention work items on the thread pool: a main phase (in-row blocks and partial splits)
@@ -270,19 +272,20 @@ static void copy_page(da_cpu *be, const da_page_copy *c) {
 }
 
 static void append(da_cpu *be, const da_append *a) {
-  const size_t d = (size_t)be->d, row = (size_t)be->hk * d;
+  const size_t d = (size_t)be->d, row = (size_t)be->hk * d, ptok = (size_t)be->ptok;
   uint16_t *kbase = be->kv + (size_t)a->layer * 2 * be->layer_elems;
   uint16_t *vbase = kbase + be->layer_elems;
   for (int t = 0; t < a->n_tokens; t++) {
     const int pos = a->pos + t;
     const size_t page = (size_t)a->pages[pos / be->ptok] * be->page_elems;
-    const size_t slot = (size_t)(pos % be->ptok) * d;
+    const size_t slot = (size_t)(pos % be->ptok);
     const uint16_t *k = (const uint16_t *)a->k + (size_t)t * row;
     const uint16_t *v = (const uint16_t *)a->v + (size_t)t * row;
     for (int h = 0; h < be->hk; h++) {
-      const size_t off = page + (size_t)h * be->ptok * d + slot;
-      memcpy(kbase + off, k + (size_t)h * d, d * sizeof(uint16_t));
-      memcpy(vbase + off, v + (size_t)h * d, d * sizeof(uint16_t));
+      uint16_t *kd = kbase + page + (size_t)h * ptok * d + slot; /* keys: [d][page_tokens] */
+      const uint16_t *ks = k + (size_t)h * d;
+      for (size_t c = 0; c < d; c++) kd[c * ptok] = ks[c];
+      memcpy(vbase + page + ((size_t)h * ptok + slot) * d, v + (size_t)h * d, d * sizeof(uint16_t));
     }
   }
 }

@@ -69,7 +69,7 @@ typedef struct da_cpu {
   int rows_max;   /* g * qb */
   size_t page_elems;  /* elements of one (layer, K|V, page): n_kv_heads * page_tokens * d */
   size_t layer_elems; /* elements of one (layer, K|V): n_pages * page_elems */
-  uint16_t *kv;   /* [layer][K|V][page][kv_head][page_tokens][head_dim] */
+  uint16_t *kv;   /* K: [layer][page][kv_head][d][page_tokens]; V: [..][page_tokens][d] */
   float *acc;     /* [acc_slots][acc_stride]: o_j fp32[d], lse_j at [d] */
   size_t acc_stride;
   int acc_slots;

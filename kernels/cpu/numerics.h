@@ -41,25 +41,33 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint32_t da_cpu_bits(float f) {
+/* Always inlined, so that each vector-width variant of the calling kernel (cpu_attn.c)
+ * compiles its own copy of these loops. */
+#if defined(__GNUC__)
+#define DA_CPU_INLINE static inline __attribute__((always_inline))
+#else
+#define DA_CPU_INLINE static inline
+#endif
+
+DA_CPU_INLINE uint32_t da_cpu_bits(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
   return u;
 }
-static inline float da_cpu_float(uint32_t u) {
+DA_CPU_INLINE float da_cpu_float(uint32_t u) {
   float f;
   memcpy(&f, &u, 4);
   return f;
 }
 
 /* bf16 -> fp32, exact. */
-static inline float da_cpu_bf16(uint16_t h) { return da_cpu_float((uint32_t)h << 16); }
+DA_CPU_INLINE float da_cpu_bf16(uint16_t h) { return da_cpu_float((uint32_t)h << 16); }
 
 /* fp16 -> fp32, exact, branch-free so that loops over it vectorise. Equal to
  * da_fp16_to_f32 for all 65536 inputs (tested). Finite values: place exponent and mantissa
  * in fp32 position (a subnormal fp16 lands on an fp32 subnormal) and rebias by an exact
  * multiplication with 2^112; inf and NaN: set the fp32 exponent to all ones. */
-static inline float da_cpu_fp16(uint16_t h) {
+DA_CPU_INLINE float da_cpu_fp16(uint16_t h) {
   const uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
   const uint32_t em = (uint32_t)h & 0x7fffu;
   const float fin = da_cpu_float(em << 13) * 0x1.0p112f;
@@ -72,7 +80,7 @@ static inline float da_cpu_fp16(uint16_t h) {
  * Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial in Horner
  * form, then scaling by 2^n built from bits. Results below 2^-126 (x < -87) are flushed to
  * +0. Relative error below 1e-6 (tested). NaN in, NaN out. */
-static inline float da_cpu_expf(float x) {
+DA_CPU_INLINE float da_cpu_expf(float x) {
   const float shift = 0x1.8p23f;
   const float xc = x < -87.0f ? -87.0f : x;
   const float t = xc * 0x1.715476p+0f + shift; /* round(x / ln2) in the low bits of t */
@@ -95,7 +103,7 @@ static inline float da_cpu_expf(float x) {
 /* log(x) for positive normal finite x (the algorithm only takes logs of l >= 1 and of
  * den in (1, 2]). x = 2^e * f with f in [sqrt(1/2), sqrt(2)), log f = 2 atanh((f-1)/(f+1))
  * by its series to u^9. Relative error below 1e-6 (tested). NaN in, NaN out. */
-static inline float da_cpu_logf(float x) {
+DA_CPU_INLINE float da_cpu_logf(float x) {
   const uint32_t u = da_cpu_bits(x);
   int e = (int)((u >> 23) & 0xffu) - 127;
   float f = da_cpu_float((u & 0x7fffffu) | 0x3f800000u);
@@ -117,7 +125,7 @@ static inline float da_cpu_logf(float x) {
 }
 
 /* tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|). Absolute error below 1e-6. */
-static inline float da_cpu_tanhf(float x) {
+DA_CPU_INLINE float da_cpu_tanhf(float x) {
   const float e = da_cpu_expf(-2.0f * fabsf(x));
   const float t = (1.0f - e) / (1.0f + e);
   return x < 0.0f ? -t : t;
@@ -129,7 +137,7 @@ typedef struct da_cpu_row {
   float *acc;
 } da_cpu_row;
 
-static inline void da_cpu_row_init(da_cpu_row *st, int d) {
+DA_CPU_INLINE void da_cpu_row_init(da_cpu_row *st, int d) {
   st->m = -INFINITY;
   st->l = 0.0f;
   for (int c = 0; c < d; c++) st->acc[c] = 0.0f;
@@ -137,28 +145,34 @@ static inline void da_cpu_row_init(da_cpu_row *st, int d) {
 
 /* Scores of one query row against keys [i0, i1) of a tile (multiples of 16, i1 <= T).
  * q: [d] fp32; kt: the tile's keys transposed, [d][T] fp32. Writes s[i0, i1). Each s_i is
- * its own ascending sum over c; the loops run over i so that 16 keys are summed in
- * parallel lanes without reassociation. */
-static inline void da_cpu_scores(const float *restrict q, const float *restrict kt, int d,
+ * its own ascending sum over c; the loops run over i, so that 64 (or 16) keys are summed in
+ * independent lanes without reassociation. */
+#define DA_CPU_SCORE_CHUNK(W)                                               \
+  do {                                                                      \
+    float a[W];                                                             \
+    for (int ii = 0; ii < W; ii++) a[ii] = 0.0f;                            \
+    for (int c = 0; c < d; c++) {                                           \
+      const float qc = q[c];                                                \
+      const float *k = kt + (size_t)c * tile + ib;                          \
+      for (int ii = 0; ii < W; ii++) a[ii] = a[ii] + qc * k[ii];            \
+    }                                                                       \
+    for (int ii = 0; ii < W; ii++) s[ib + ii] = a[ii] * scale;              \
+    ib += W;                                                                \
+  } while (0)
+
+DA_CPU_INLINE void da_cpu_scores(const float *restrict q, const float *restrict kt, int d,
                                  int tile, int i0, int i1, float scale, float softcap,
                                  float *restrict s) {
-  for (int ib = i0; ib < i1; ib += 16) {
-    float a[16];
-    for (int ii = 0; ii < 16; ii++) a[ii] = 0.0f;
-    for (int c = 0; c < d; c++) {
-      const float qc = q[c];
-      const float *k = kt + (size_t)c * tile + ib;
-      for (int ii = 0; ii < 16; ii++) a[ii] = a[ii] + qc * k[ii];
-    }
-    for (int ii = 0; ii < 16; ii++) s[ib + ii] = a[ii] * scale;
-  }
+  int ib = i0;
+  while (i1 - ib >= 64) DA_CPU_SCORE_CHUNK(64);
+  while (ib < i1) DA_CPU_SCORE_CHUNK(16);
   if (softcap > 0.0f)
     for (int i = i0; i < i1; i++) s[i] = softcap * da_cpu_tanhf(s[i] / softcap);
 }
 
 /* The tile update of one row over its valid keys [i0, i1) of a tile, i0 < i1.
  * s: scores, p: scratch [T]; vt: the tile's values, [T][d] fp32. */
-static inline void da_cpu_tile_update(da_cpu_row *restrict st, const float *restrict s,
+DA_CPU_INLINE void da_cpu_tile_update(da_cpu_row *restrict st, const float *restrict s,
                                       float *restrict p, const float *restrict vt, int d,
                                       int i0, int i1) {
   float mt = -INFINITY;
@@ -169,28 +183,28 @@ static inline void da_cpu_tile_update(da_cpu_row *restrict st, const float *rest
   float lt = 0.0f;
   for (int i = i0; i < i1; i++) lt = lt + p[i];
   st->l = st->l * alpha + lt;
-  for (int cb = 0; cb < d; cb += 32) {
-    float pv[32];
-    for (int cc = 0; cc < 32; cc++) pv[cc] = 0.0f;
+  for (int cb = 0; cb < d; cb += 64) { /* head_dim is a multiple of 64 */
+    float pv[64];
+    for (int cc = 0; cc < 64; cc++) pv[cc] = 0.0f;
     for (int i = i0; i < i1; i++) {
       const float pi = p[i];
       const float *v = vt + (size_t)i * d + cb;
-      for (int cc = 0; cc < 32; cc++) pv[cc] = pv[cc] + pi * v[cc];
+      for (int cc = 0; cc < 64; cc++) pv[cc] = pv[cc] + pi * v[cc];
     }
     float *acc = st->acc + cb;
-    for (int cc = 0; cc < 32; cc++) acc[cc] = acc[cc] * alpha + pv[cc];
+    for (int cc = 0; cc < 64; cc++) acc[cc] = acc[cc] * alpha + pv[cc];
   }
   st->m = mn;
 }
 
 /* Split result of a row whose split saw at least one valid key: o: [d]. */
-static inline float da_cpu_finalize(const da_cpu_row *st, int d, float *restrict o) {
+DA_CPU_INLINE float da_cpu_finalize(const da_cpu_row *st, int d, float *restrict o) {
   for (int c = 0; c < d; c++) o[c] = st->acc[c] / st->l;
   return st->m + da_cpu_logf(st->l);
 }
 
 /* (o, lse) <- merge((o, lse), (ob, lseb)). o, ob: [d]. */
-static inline void da_cpu_merge(float *restrict o, float *lse, const float *restrict ob,
+DA_CPU_INLINE void da_cpu_merge(float *restrict o, float *lse, const float *restrict ob,
                                 float lseb, int d) {
   const float la = *lse;
   const float mx = la > lseb ? la : lseb;
