@@ -126,6 +126,8 @@ static int run_load(const char *tag, const char *url, const char *const *args) {
   argv[n++] = "--url";
   argv[n++] = (char *)url;
   argv[n++] = "--quiet";
+  argv[n++] = "--timeout-ms"; /* a lost call fails the run instead of hanging it */
+  argv[n++] = "20000";
   for (; *args && n < 62; args++) argv[n++] = (char *)*args;
   argv[n] = NULL;
   char out[128], err[128];
@@ -142,6 +144,10 @@ static int run_load(const char *tag, const char *url, const char *const *args) {
     }
     sleep_ms(100);
   }
+  fprintf(stderr, "detattn-load (%s) did not finish in 50 s; its output and the daemon logs:\n", tag);
+  char cmd[300];
+  snprintf(cmd, sizeof(cmd), "cat '%s' '%s' '%s'/*.log >&2", out, err, dir);
+  if (system(cmd) != 0) fprintf(stderr, "(no output)\n");
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
   return -1;
