@@ -124,11 +124,25 @@ static int decode_forward(const da_wire_limits *lim, const Detattn__V1__Forward 
   return 0;
 }
 
+/* The request id of a message too large to decode, when it comes first (as protobuf-c and
+ * most encoders write it): field 1, varint. 0 otherwise. */
+static uint64_t peek_id(const uint8_t *p, size_t len) {
+  if (len < 2 || p[0] != 0x08) return 0;
+  uint64_t v = 0;
+  for (size_t i = 1; i < len && i < 11; i++) {
+    v |= (uint64_t)(p[i] & 0x7f) << (7 * (i - 1));
+    if (!(p[i] & 0x80)) return v;
+  }
+  return 0;
+}
+
 int da_wire_decode(const da_wire_limits *lim, const void *buf, size_t len, da_wire_request *r) {
   memset(r, 0, sizeof(*r));
-  if (len > lim->max_message_bytes)
+  if (len > lim->max_message_bytes) {
+    r->id = peek_id(buf, len);
     return fail(r, DETATTN_RESOURCE_EXHAUSTED, "request of %zu bytes exceeds max-message-bytes %zu", len,
                 lim->max_message_bytes);
+  }
   holder *h = calloc(1, sizeof(*h));
   if (h == NULL) return fail(r, DETATTN_RESOURCE_EXHAUSTED, "out of memory");
   h->a = (ProtobufCAllocator){.alloc = bounded_alloc, .free = bounded_free, .allocator_data = h};

@@ -70,7 +70,8 @@ typedef struct da_wire_request {
 
 /*
  * Decodes and validates one request. Always fills out (id is 0 when the message does not
- * parse) and returns out->status:
+ * parse; for a message over max_message_bytes, the id if it is the first field) and
+ * returns out->status:
  *  RESOURCE_EXHAUSTED: len > max_message_bytes, or decoding needs more than decode_bytes;
  *  INVALID_ARGUMENT: malformed protobuf; no op set; Forward with no sequences, a sequence
  *    with zero tokens, more than max_request_tokens tokens in all, a layer out of range, a
