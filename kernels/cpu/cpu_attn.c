@@ -60,6 +60,17 @@ static void load_q(const da_cpu *be, const block *bk, float *q) {
  * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. In the
  * pool a page's keys are stored transposed ([d][page_tokens]) and its values row-major
  * ([page_tokens][d]), so both copies below run over contiguous memory. */
+/* Keys of one page run into the transposed tile, in fixed chunks of 8 that vectorise. */
+#define LOAD_K(cvt)                                                            \
+  for (int c = 0; c < d; c++) {                                                \
+    const uint16_t *kc = k + (size_t)c * ptok;                                 \
+    float *kdc = kd + (size_t)c * tile;                                        \
+    int i = 0;                                                                 \
+    for (; i + 8 <= n; i += 8)                                                 \
+      for (int j = 0; j < 8; j++) kdc[i + j] = cvt(kc[i + j]);                 \
+    for (; i < n; i++) kdc[i] = cvt(kc[i]);                                    \
+  }
+
 DA_CPU_HOT
 static void load_tile(const da_cpu *be, const block *bk, int ts, int lo, int hi, float *kt,
                       float *vt) {
@@ -78,12 +89,10 @@ static void load_tile(const da_cpu *be, const block *bk, int ts, int lo, int hi,
     float *kd = kt + (pos - ts), *vd = vt + (size_t)(pos - ts) * d;
     const size_t nv = (size_t)n * d;
     if (bf16) {
-      for (int c = 0; c < d; c++)
-        for (int i = 0; i < n; i++) kd[(size_t)c * tile + i] = da_cpu_bf16(k[(size_t)c * ptok + i]);
+      LOAD_K(da_cpu_bf16);
       for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_bf16(v[i]);
     } else {
-      for (int c = 0; c < d; c++)
-        for (int i = 0; i < n; i++) kd[(size_t)c * tile + i] = da_cpu_fp16(k[(size_t)c * ptok + i]);
+      LOAD_K(da_cpu_fp16);
       for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_fp16(v[i]);
     }
     pos += n;

@@ -143,29 +143,60 @@ DA_CPU_INLINE void da_cpu_row_init(da_cpu_row *st, int d) {
   for (int c = 0; c < d; c++) st->acc[c] = 0.0f;
 }
 
+/* Eight fp32 lanes (GCC vector extension): elementwise IEEE operations, lowered to AVX
+ * or to pairs of SSE operations; the bits are the same either way. */
+typedef float da_cpu_v8 __attribute__((vector_size(32)));
+/* The helpers below are always inlined: no AVX value ever crosses a call. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+DA_CPU_INLINE da_cpu_v8 da_cpu_ld8(const float *p) {
+  da_cpu_v8 v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+DA_CPU_INLINE void da_cpu_st8(float *p, da_cpu_v8 v) { memcpy(p, &v, sizeof(v)); }
+
 /* Scores of one query row against keys [i0, i1) of a tile (multiples of 16, i1 <= T).
  * q: [d] fp32; kt: the tile's keys transposed, [d][T] fp32. Writes s[i0, i1). Each s_i is
- * its own ascending sum over c; the loops run over i, so that 64 (or 16) keys are summed in
- * independent lanes without reassociation. */
-#define DA_CPU_SCORE_CHUNK(W)                                               \
-  do {                                                                      \
-    float a[W];                                                             \
-    for (int ii = 0; ii < W; ii++) a[ii] = 0.0f;                            \
-    for (int c = 0; c < d; c++) {                                           \
-      const float qc = q[c];                                                \
-      const float *k = kt + (size_t)c * tile + ib;                          \
-      for (int ii = 0; ii < W; ii++) a[ii] = a[ii] + qc * k[ii];            \
-    }                                                                       \
-    for (int ii = 0; ii < W; ii++) s[ib + ii] = a[ii] * scale;              \
-    ib += W;                                                                \
-  } while (0)
-
+ * its own ascending sum over c; the lanes run over keys (64 or 16 at a time), so nothing
+ * is reassociated. */
 DA_CPU_INLINE void da_cpu_scores(const float *restrict q, const float *restrict kt, int d,
                                  int tile, int i0, int i1, float scale, float softcap,
                                  float *restrict s) {
   int ib = i0;
-  while (i1 - ib >= 64) DA_CPU_SCORE_CHUNK(64);
-  while (ib < i1) DA_CPU_SCORE_CHUNK(16);
+  for (; i1 - ib >= 64; ib += 64) {
+    da_cpu_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    const float *k = kt + ib;
+    for (int c = 0; c < d; c++, k += tile) {
+      const float qc = q[c];
+      a0 = a0 + qc * da_cpu_ld8(k);
+      a1 = a1 + qc * da_cpu_ld8(k + 8);
+      a2 = a2 + qc * da_cpu_ld8(k + 16);
+      a3 = a3 + qc * da_cpu_ld8(k + 24);
+      a4 = a4 + qc * da_cpu_ld8(k + 32);
+      a5 = a5 + qc * da_cpu_ld8(k + 40);
+      a6 = a6 + qc * da_cpu_ld8(k + 48);
+      a7 = a7 + qc * da_cpu_ld8(k + 56);
+    }
+    da_cpu_st8(s + ib, a0 * scale);
+    da_cpu_st8(s + ib + 8, a1 * scale);
+    da_cpu_st8(s + ib + 16, a2 * scale);
+    da_cpu_st8(s + ib + 24, a3 * scale);
+    da_cpu_st8(s + ib + 32, a4 * scale);
+    da_cpu_st8(s + ib + 40, a5 * scale);
+    da_cpu_st8(s + ib + 48, a6 * scale);
+    da_cpu_st8(s + ib + 56, a7 * scale);
+  }
+  for (; ib < i1; ib += 16) {
+    da_cpu_v8 a0 = {0}, a1 = {0};
+    const float *k = kt + ib;
+    for (int c = 0; c < d; c++, k += tile) {
+      const float qc = q[c];
+      a0 = a0 + qc * da_cpu_ld8(k);
+      a1 = a1 + qc * da_cpu_ld8(k + 8);
+    }
+    da_cpu_st8(s + ib, a0 * scale);
+    da_cpu_st8(s + ib + 8, a1 * scale);
+  }
   if (softcap > 0.0f)
     for (int i = i0; i < i1; i++) s[i] = softcap * da_cpu_tanhf(s[i] / softcap);
 }
@@ -184,15 +215,22 @@ DA_CPU_INLINE void da_cpu_tile_update(da_cpu_row *restrict st, const float *rest
   for (int i = i0; i < i1; i++) lt = lt + p[i];
   st->l = st->l * alpha + lt;
   for (int cb = 0; cb < d; cb += 64) { /* head_dim is a multiple of 64 */
-    float pv[64];
-    for (int cc = 0; cc < 64; cc++) pv[cc] = 0.0f;
-    for (int i = i0; i < i1; i++) {
+    da_cpu_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    const float *v = vt + (size_t)i0 * d + cb;
+    for (int i = i0; i < i1; i++, v += d) {
       const float pi = p[i];
-      const float *v = vt + (size_t)i * d + cb;
-      for (int cc = 0; cc < 64; cc++) pv[cc] = pv[cc] + pi * v[cc];
+      a0 = a0 + pi * da_cpu_ld8(v);
+      a1 = a1 + pi * da_cpu_ld8(v + 8);
+      a2 = a2 + pi * da_cpu_ld8(v + 16);
+      a3 = a3 + pi * da_cpu_ld8(v + 24);
+      a4 = a4 + pi * da_cpu_ld8(v + 32);
+      a5 = a5 + pi * da_cpu_ld8(v + 40);
+      a6 = a6 + pi * da_cpu_ld8(v + 48);
+      a7 = a7 + pi * da_cpu_ld8(v + 56);
     }
     float *acc = st->acc + cb;
-    for (int cc = 0; cc < 64; cc++) acc[cc] = acc[cc] * alpha + pv[cc];
+    const da_cpu_v8 pv[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    for (int j = 0; j < 8; j++) da_cpu_st8(acc + 8 * j, da_cpu_ld8(acc + 8 * j) * alpha + pv[j]);
   }
   st->m = mn;
 }
