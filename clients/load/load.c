@@ -56,6 +56,24 @@ static void sleep_until(uint64_t t_ns) {
   }
 }
 
+/*
+ * The first call on a new connection: hello, retried (at most 4 more times, 20 ms apart)
+ * while it answers UNAVAILABLE, since a daemon may see a new connection's first request
+ * before it has registered the connection. Retries are counted and reported.
+ */
+static int handshake(detattn_client *c, detattn_server_info *info, uint32_t *retries) {
+  int rc = DETATTN_UNAVAILABLE;
+  for (int i = 0; i < 5; i++) {
+    if (i) {
+      (*retries)++;
+      usleep(20000);
+    }
+    rc = detattn_hello(c, info);
+    if (rc != DETATTN_UNAVAILABLE) break;
+  }
+  return rc;
+}
+
 static int worker_reserve(worker *wk, const da_workload *w, size_t n) {
   if (n <= wk->cap_tokens) return DETATTN_OK;
   void *q = realloc(wk->q, n * qrow_bytes(w));
@@ -267,7 +285,8 @@ int da_load_hello(const char *url, int timeout_ms, da_workload *w, detattn_serve
   }
   /* The first call waits for the connection: fail fast when no daemon is there. */
   detattn_set_timeout(c, timeout_ms > 0 && timeout_ms < 10000 ? timeout_ms : 10000);
-  rc = detattn_hello(c, info);
+  uint32_t retries = 0;
+  rc = handshake(c, info, &retries);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "hello %s: %s: %s", url, detattn_status_name(rc), detattn_errmsg());
     goto out;
@@ -353,7 +372,8 @@ static void fill_record_header(da_record *rec, const detattn_server_info *info,
   da_workload_describe(w, rec->workload, sizeof(rec->workload));
 }
 
-static int connect_all(engine *e, const da_load_cfg *cfg, char *msg, size_t msglen) {
+static int connect_all(engine *e, const da_load_cfg *cfg, da_load_result *res, char *msg,
+                       size_t msglen) {
   e->n_clients = cfg->connections ? cfg->connections : 1;
   e->clients = calloc(e->n_clients, sizeof(*e->clients));
   if (!e->clients) return DETATTN_RESOURCE_EXHAUSTED;
@@ -364,6 +384,11 @@ static int connect_all(engine *e, const da_load_cfg *cfg, char *msg, size_t msgl
       return rc;
     }
     detattn_set_timeout(e->clients[i], cfg->timeout_ms);
+    rc = handshake(e->clients[i], &res->info, &res->connect_retries);
+    if (rc != DETATTN_OK) {
+      snprintf(msg, msglen, "hello: %s: %s", detattn_status_name(rc), detattn_errmsg());
+      return rc;
+    }
   }
   return DETATTN_OK;
 }
@@ -385,13 +410,8 @@ int da_load_run(const da_load_cfg *cfg, const da_workload *w, da_load_result *re
   if (n_workers == 0) n_workers = 1;
   pthread_mutex_init(&e.mu, NULL);
 
-  rc = connect_all(&e, cfg, msg, msglen);
+  rc = connect_all(&e, cfg, res, msg, msglen);
   if (rc != DETATTN_OK) goto fail_connect;
-  rc = detattn_hello(e.clients[0], &res->info);
-  if (rc != DETATTN_OK) {
-    snprintf(msg, msglen, "hello: %s: %s", detattn_status_name(rc), detattn_errmsg());
-    goto fail_connect;
-  }
   fill_record_header(&res->record, &res->info, w);
   e.chunk = effective_chunk(cfg, w, &res->info);
   res->have_stats = detattn_stats_get(e.clients[0], &res->stats_before) == DETATTN_OK;
@@ -452,7 +472,7 @@ fail_connect:
 }
 
 int da_load_replay(const da_load_cfg *cfg, const da_workload *w, const da_record *ran,
-                   da_record *replay, char *msg, size_t msglen) {
+                   da_record *replay, uint32_t *retries, char *msg, size_t msglen) {
   da_record_init(replay, w->n_layers);
   replay->fingerprint = ran->fingerprint;
   memcpy(replay->numerics, ran->numerics, sizeof(replay->numerics));
@@ -465,7 +485,7 @@ int da_load_replay(const da_load_cfg *cfg, const da_workload *w, const da_record
     return rc;
   }
   detattn_set_timeout(c, cfg->timeout_ms);
-  rc = detattn_hello(c, &info);
+  rc = handshake(c, &info, retries);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "hello: %s: %s", detattn_status_name(rc), detattn_errmsg());
     goto out;

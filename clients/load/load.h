@@ -49,6 +49,7 @@ typedef struct da_load_result {
   da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot; /* nanoseconds */
   /* Counted over the whole run. */
   uint64_t sequences_total, sequences_failed, forward_errors;
+  uint32_t connect_retries; /* hellos answered UNAVAILABLE on new connections, retried */
   int first_error_status;
   char first_error[160];
   detattn_server_info info;
@@ -73,8 +74,8 @@ int da_load_run(const da_load_cfg *cfg, const da_workload *w, da_load_result *re
 void da_load_result_fini(da_load_result *res);
 
 /* Replays every sequence of `ran` alone on one new connection, one call at a time, and
- * fills `replay` (initialised here) with its hashes. */
+ * fills `replay` (initialised here) with its hashes; adds handshake retries to *retries. */
 int da_load_replay(const da_load_cfg *cfg, const da_workload *w, const da_record *ran,
-                   da_record *replay, char *msg, size_t msglen);
+                   da_record *replay, uint32_t *retries, char *msg, size_t msglen);
 
 #endif /* DA_LOAD_H */

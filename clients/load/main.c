@@ -298,7 +298,8 @@ static int run_once(options *o) {
   if (res.sequences_failed || res.forward_errors) status = 1;
   if (o->verify) {
     da_record replay;
-    rc = da_load_replay(&o->cfg, &o->w, &res.record, &replay, msg, sizeof(msg));
+    rc = da_load_replay(&o->cfg, &o->w, &res.record, &replay, &res.connect_retries, msg,
+                        sizeof(msg));
     if (rc != DETATTN_OK) {
       fprintf(stderr, "detattn-load: --verify: %s\n", msg);
       status = 1;

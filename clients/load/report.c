@@ -70,6 +70,9 @@ void da_report_print(FILE *f, const da_load_cfg *cfg, const da_workload *w,
           res->digest, res->sequences_total - res->sequences_failed);
   if (res->first_error_status)
     fprintf(f, "first error: %s\n", res->first_error);
+  if (res->connect_retries)
+    fprintf(f, "connection handshakes retried after UNAVAILABLE: %" PRIu32 "\n",
+            res->connect_retries);
   if (res->have_stats) {
     const detattn_stats *a = &res->stats_before, *b = &res->stats_after;
     uint64_t batches = b->batches - a->batches, toks = b->forward_tokens - a->forward_tokens;
@@ -164,6 +167,7 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
   hist_json(root, "ttft_ms", &res->ttft, ms);
   hist_json(root, "tpot_ms", &res->tpot, ms);
   if (res->first_error_status) cJSON_AddStringToObject(root, "first_error", res->first_error);
+  cJSON_AddNumberToObject(root, "connect_retries", res->connect_retries);
   if (res->have_stats) {
     const detattn_stats *a = &res->stats_before, *b = &res->stats_after;
     cJSON *s = cJSON_AddObjectToObject(root, "server");

@@ -145,7 +145,7 @@ static int run_load(const char *tag, const char *url, const char *const *args) {
     sleep_ms(100);
   }
   fprintf(stderr, "detattn-load (%s) did not finish in 50 s; its output and the daemon logs:\n", tag);
-  char cmd[300];
+  char cmd[512];
   snprintf(cmd, sizeof(cmd), "cat '%s' '%s' '%s'/*.log >&2", out, err, dir);
   if (system(cmd) != 0) fprintf(stderr, "(no output)\n");
   kill(pid, SIGKILL);
