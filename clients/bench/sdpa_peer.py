@@ -124,7 +124,9 @@ def main():
     if args.ours:
         with open(args.ours) as f:
             for r in csv.DictReader(f):
-                key = (r["kind"], int(r["B"]), int(r["L"]), int(r["d"]), 1)
+                # A decode row at the end of its sequence sees every key: causal == full.
+                key = (r["kind"], int(r["B"]), int(r["L"]), int(r["d"]),
+                       0 if r["kind"] == "decode" else int(r["causal"]))
                 ours.setdefault(key, {})[r["mode"].split("+")[0]] = r
     print(f"device: {dev}, torch {torch.__version__}")
     print("| kind | B | L | d | causal | ours ms | ours TB/s | ours TFLOP/s | combine % "

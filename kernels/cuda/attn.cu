@@ -103,11 +103,13 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
   constexpr int NTD = D / 8;   /* n8 fragments over head_dim */
   constexpr int CH = D / 8;    /* 16-byte chunks per row */
   constexpr int TILE_B = BN * D * 2;
+  constexpr bool QREG = D <= 128; /* Q fragments stay in registers */
+  const int nst = a.stages;       /* 2 or 3 K/V stages */
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char *qs = smem;
-  unsigned char *ks = smem + BM * D * 2;  /* [2][BN][D] */
-  unsigned char *vs = ks + 2 * TILE_B;    /* [2][BN][D] */
-  float *fold = reinterpret_cast<float *>(vs + 2 * TILE_B); /* [4][NTD][4][32] */
+  unsigned char *ks = smem + BM * D * 2;  /* [nst][BN][D] */
+  unsigned char *vs = ks + nst * TILE_B;  /* [nst][BN][D] */
+  float *fold = reinterpret_cast<float *>(vs + nst * TILE_B); /* [4][NTD][4][32], in-row only */
 
   const da_cu_item it = a.items[blockIdx.x];
   const da_cu_attn at = a.attns[it.attn];
@@ -119,6 +121,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
   /* The block's key range: [w0 of its first row, p of its last row]. */
   const int p_min = at.q_pos + it.row0 / G, p_max = at.q_pos + rlast / G;
   const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+  const int w0_max = a.window > 0 ? max(0, p_max - a.window + 1) : 0;
   const int tps = a.split_tokens / BN;
   const int kt_begin = max(w0_min / BN, it.j0 * tps);
   const int kt_end = min(p_max / BN, it.j1 * tps - 1);
@@ -156,8 +159,10 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       cp_async16(vd + swz<D>(r, c), vsrc, ok);
     }
   };
-  load_tile(kt_begin, 0);
-  cp_commit();
+  for (int k = 0; k < nst - 1; k++) {
+    if (kt_begin + k <= kt_end) load_tile(kt_begin + k, k);
+    cp_commit();
+  }
 
   /* This thread's two rows: g and g + 8 of the warp's 16. */
   const int g = lane >> 2, qd = lane & 3;
@@ -167,21 +172,26 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
   const bool warp_active = it.row0 + warp * 16 < n_rows;
   const bool partial = at.slot_base >= 0;
 
+  uint32_t qreg[QREG ? D / 16 : 1][4];
   float acc[NTD][4];
   float fold_lse[2] = {0.0f, 0.0f};
   da_row_state st;
   float *myfold = fold + warp * NTD * 4 * 32 + lane;
 
   for (int kt = kt_begin; kt <= kt_end; kt++) {
-    const int i = kt - kt_begin;
-    if (kt < kt_end) {
-      load_tile(kt + 1, (i + 1) & 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    const int i = kt - kt_begin, stage = i % nst;
+    if (kt + nst - 1 <= kt_end) load_tile(kt + nst - 1, (i + nst - 1) % nst);
+    cp_commit();
+    if (nst == 3) cp_wait<2>();
+    else cp_wait<1>();
     __syncthreads();
+    if constexpr (QREG) {
+      if (kt == kt_begin && warp_active) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk++)
+          ldsm_x4(qreg[kk], smem_u32(qs) + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+      }
+    }
     const int j = kt / tps;
     if (kt == kt_begin || kt % tps == 0) {
       da_state_reset(st);
@@ -189,7 +199,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       for (int n = 0; n < NTD; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
     if (warp_active) {
-      const uint32_t kb = smem_u32(ks + (i & 1) * TILE_B), vb = smem_u32(vs + (i & 1) * TILE_B);
+      const uint32_t kb = smem_u32(ks + stage * TILE_B), vb = smem_u32(vs + stage * TILE_B);
       const uint32_t qb = smem_u32(qs);
       float s[NTS][4];
 #pragma unroll
@@ -197,7 +207,11 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk++) {
         uint32_t qa[4];
-        ldsm_x4(qa, qb + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        if constexpr (QREG) {
+          qa[0] = qreg[kk][0], qa[1] = qreg[kk][1], qa[2] = qreg[kk][2], qa[3] = qreg[kk][3];
+        } else {
+          ldsm_x4(qa, qb + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        }
 #pragma unroll
         for (int np = 0; np < NTS / 2; np++) {
           uint32_t kf[4];
@@ -206,15 +220,25 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           mma16816<BF16>(s[2 * np + 1], qa, kf[2], kf[3]);
         }
       }
+      /* A tile inside every row's key range needs no mask (the block is uniform). */
+      const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
+      if (full) {
 #pragma unroll
-      for (int n = 0; n < NTS; n++) {
+        for (int n = 0; n < NTS; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const row_info &r = ri[e >> 1];
-          const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
-          const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
-          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
-                       : -INFINITY;
+          for (int e = 0; e < 4; e++)
+            s[n][e] = da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2);
+      } else {
+#pragma unroll
+        for (int n = 0; n < NTS; n++) {
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const row_info &r = ri[e >> 1];
+            const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
+            const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
+            s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
+                         : -INFINITY;
+          }
         }
       }
       float alpha[2];
@@ -300,11 +324,21 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
 
 template <int D, bool BF16>
 cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
-  const size_t smem = (size_t)BM * D * 2 + 4 * (size_t)BN * D * 2 + 4 * (D / 8) * 4 * 32 * 4;
-  cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e != cudaSuccess) return e;
-  attn_kernel<D, BF16><<<a->n_items, DA_CU_THREADS, smem, stream>>>(*a);
+  /* Three K/V stages where they fit beside the in-row fold buffer at two CTAs per SM;
+   * the stage count and buffers only move data, never the arithmetic. */
+  da_cu_args g = *a;
+  g.stages = D == 256 || (D == 128 && a->has_inrow) ? 2 : 3;
+  const size_t fold = a->has_inrow ? (size_t)4 * (D / 8) * 4 * 32 * 4 : 0;
+  const size_t smem = (size_t)BM * D * 2 + 2 * (size_t)g.stages * BN * D * 2 + fold;
+  const size_t smem_max = (size_t)BM * D * 2 + 2 * (size_t)3 * BN * D * 2 + (size_t)4 * (D / 8) * 4 * 32 * 4;
+  static int configured = 0; /* per instantiation; the backend runs on one thread */
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)(smem_max < 232448 ? smem_max : 232448));
+    if (e != cudaSuccess) return e;
+    configured = 1;
+  }
+  attn_kernel<D, BF16><<<a->n_items, DA_CU_THREADS, smem, stream>>>(g);
   return cudaGetLastError();
 }
 

@@ -1,8 +1,8 @@
 /*
- * combine.cu — the deterministic combine of split partials: one warp per row folds the
- * row's splits (o_j fp32, lse_j) from the accumulator pool in ascending j, starting from
- * its first split, with the same da_merge_weights / da_merge_o as the in-row fold in
- * attn.cu. One split: the output is o_0 rounded, no merge applied.
+ * combine.cu — the deterministic combine of split partials: a row's splits (o_j fp32,
+ * lse_j) from the accumulator pool are folded in ascending j, starting from its first
+ * split, with the same da_merge_weights / da_merge_o as the in-row fold in attn.cu. One
+ * split: the output is o_0 rounded, no merge applied.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -12,49 +12,103 @@
 
 namespace {
 
+constexpr int THREADS = 128;
+constexpr int CHUNK = 512; /* splits whose weights are staged in shared memory at once */
+constexpr int BATCH = 16;  /* o_j loads in flight per thread */
+
+/*
+ * One CTA per row. Thread 0 runs the row's lse chain (da_merge_weights, in ascending j) and
+ * stages each step's weights in shared memory; every thread then folds its elements of o
+ * with da_merge_o in the same order. The o_j loads are batched ahead of the fold; the order
+ * of the arithmetic is the left fold's.
+ */
 template <int D, bool BF16>
-__global__ void __launch_bounds__(DA_CU_COMBINE_ROWS * 32) combine_kernel(const da_cu_args a) {
-  constexpr int PER = D / 32;
+__global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
+  constexpr int PER = D > THREADS ? D / THREADS : 1;
+  __shared__ float s_lse[CHUNK], s_a[CHUNK], s_b[CHUNK], s_s[CHUNK];
+  __shared__ float s_out_lse;
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
-  const int lane = threadIdx.x & 31;
-  const int row = ci.row0 + (threadIdx.x >> 5);
-  if (row >= at.n_q * a.n_q_heads) return;
+  const int tid = threadIdx.x;
+  const int row = ci.row0;
   const int t = row / a.n_q_heads;
   const int p = at.q_pos + t;
   const int w0 = a.window > 0 ? max(0, p - a.window + 1) : 0;
   const int jf = w0 / a.split_tokens, jl = p / a.split_tokens;
   const int64_t slot0 = at.slot_base + (int64_t)row * at.n_splits;
+  const bool active = tid < D;
+  const int col = active ? tid : 0;
 
   float o[PER];
-  const float *src = a.acc_o + (slot0 + jf) * D + lane;
 #pragma unroll
-  for (int i = 0; i < PER; i++) o[i] = src[i * 32];
-  float lse = a.acc_lse[slot0 + jf];
-  for (int j = jf + 1; j <= jl; j++) {
-    const float *sj = a.acc_o + (slot0 + j) * D + lane;
-    const da_merge_w w = da_merge_weights(lse, a.acc_lse[slot0 + j]);
+  for (int e = 0; e < PER; e++) o[e] = a.acc_o[(slot0 + jf) * D + col + e * THREADS];
+  float lse = a.acc_lse[slot0 + jf]; /* the chain's state, used by thread 0 */
+
+  for (int c0 = jf + 1; c0 <= jl; c0 += CHUNK) {
+    const int n = min(CHUNK, jl - c0 + 1);
+    for (int k = tid; k < n; k += THREADS) s_lse[k] = a.acc_lse[slot0 + c0 + k];
+    /* Loads of the first batch go out before the weights are ready. */
+    float v[BATCH][PER];
 #pragma unroll
-    for (int i = 0; i < PER; i++) o[i] = da_merge_o(w, o[i], sj[i * 32]);
-    lse = w.lse;
+    for (int k = 0; k < BATCH; k++)
+#pragma unroll
+      for (int e = 0; e < PER; e++)
+        v[k][e] = k < n ? a.acc_o[(slot0 + c0 + k) * D + col + e * THREADS] : 0.0f;
+    __syncthreads();
+    if (tid == 0) {
+      for (int k = 0; k < n; k++) {
+        const da_merge_w w = da_merge_weights(lse, s_lse[k]);
+        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s;
+        lse = w.lse;
+      }
+      s_out_lse = lse;
+    }
+    __syncthreads();
+    for (int k0 = 0; k0 < n; k0 += BATCH) {
+      float nx[BATCH][PER];
+#pragma unroll
+      for (int k = 0; k < BATCH; k++)
+#pragma unroll
+        for (int e = 0; e < PER; e++) {
+          const int kk = k0 + BATCH + k;
+          nx[k][e] = kk < n ? a.acc_o[(slot0 + c0 + kk) * D + col + e * THREADS] : 0.0f;
+        }
+#pragma unroll
+      for (int k = 0; k < BATCH; k++) {
+        if (k0 + k < n) {
+          da_merge_w w;
+          w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = s_s[k0 + k], w.lse = 0.0f;
+#pragma unroll
+          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e]);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < BATCH; k++)
+#pragma unroll
+        for (int e = 0; e < PER; e++) v[k][e] = nx[k][e];
+    }
+    __syncthreads();
   }
-  uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + lane;
+  if (tid == 0 && jl == jf) s_out_lse = lse;
+  __syncthreads();
+  if (!active) return;
+  uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + col;
 #pragma unroll
-  for (int i = 0; i < PER; i++) {
+  for (int e = 0; e < PER; e++) {
     if constexpr (BF16) {
-      __nv_bfloat16 h = __float2bfloat16_rn(o[i]);
-      dst[i * 32] = *reinterpret_cast<uint16_t *>(&h);
+      __nv_bfloat16 h = __float2bfloat16_rn(o[e]);
+      dst[e * THREADS] = *reinterpret_cast<uint16_t *>(&h);
     } else {
-      __half h = __float2half_rn(o[i]);
-      dst[i * 32] = *reinterpret_cast<uint16_t *>(&h);
+      __half h = __float2half_rn(o[e]);
+      dst[e * THREADS] = *reinterpret_cast<uint16_t *>(&h);
     }
   }
-  if (at.lse_off >= 0 && lane == 0) a.lse[at.lse_off + row] = da_lse_out(lse);
+  if (at.lse_off >= 0 && tid == 0) a.lse[at.lse_off + row] = da_lse_out(s_out_lse);
 }
 
 template <int D, bool BF16>
 cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
-  combine_kernel<D, BF16><<<a->n_citems, DA_CU_COMBINE_ROWS * 32, 0, stream>>>(*a);
+  combine_kernel<D, BF16><<<a->n_citems, THREADS, 0, stream>>>(*a);
   return cudaGetLastError();
 }
 

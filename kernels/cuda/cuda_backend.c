@@ -484,6 +484,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->page_shift = 0;
   while ((1 << g->page_shift) < P) g->page_shift++;
   g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
+  g->has_inrow = pl->inrow_rows > 0;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
@@ -594,7 +595,7 @@ fail:
 
 int da_cuda_bench_fill_kv(void *ctx, uint64_t seed) {
   cuda_ctx *c = ctx;
-  char err[8];
+  char err[256];
   size_t errlen = sizeof(err);
   int rv = 0;
   CUDA_GOTO(c, da_cuda_fill(c->kv, c->kv_bytes / 2, 1, c->cfg.model.dtype == DA_BF16, seed, c->stream), fail);

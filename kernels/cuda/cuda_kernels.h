@@ -29,7 +29,7 @@ extern "C" {
 #define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
 #define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
 #define DA_CU_THREADS 128
-#define DA_CU_COMBINE_ROWS 4 /* rows per combine CTA: one warp each */
+#define DA_CU_COMBINE_ROWS 1 /* rows per combine CTA */
 
 /* One attention request of the batch. Offsets are in elements of their buffer. */
 typedef struct da_cu_attn {
@@ -49,7 +49,7 @@ typedef struct da_cu_item {
   int32_t attn, kv_head, row0, j0, j1;
 } da_cu_item;
 
-/* One CTA of the combine kernel: rows [row0, row0 + 4) of attn, linear over (t, q head). */
+/* One CTA of the combine kernel: row row0 of attn, linear over (t, q head). */
 typedef struct da_cu_citem {
   int32_t attn, row0;
 } da_cu_citem;
@@ -81,6 +81,8 @@ typedef struct da_cu_args {
   float cap_in;       /* scale / softcap */
   float cap_out_log2; /* softcap * log2(e) */
   int softcap;        /* non-zero: score = softcap * tanh(scale * qk / softcap) */
+  int has_inrow;      /* some items fold splits in-row (needs the fold buffer) */
+  int stages;         /* set by the attention launcher: K/V pipeline depth */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items

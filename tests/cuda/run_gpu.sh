@@ -8,17 +8,20 @@ quick=${2:-}
 OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
 eval "$(bash .devdeps/unpack.sh)"
+# Some .pc files name /usr paths directly; point them at the unpacked tree too.
+sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+rm -f build-gpu/CMakeCache.txt
 cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 t0=$(date +%s.%N)
 cmake --build build-gpu --target da_cuda -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 t1=$(date +%s.%N)
 cmake --build build-gpu --target test_cuda -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
-echo "da_cuda build (16 jobs): $(echo "$t1 - $t0" | bc) s" | tee "$OUT/summary.txt"
+echo "da_cuda build (16 jobs): $(python3 -c "print(round($t1 - $t0, 1))") s" | tee "$OUT/summary.txt"
 rc=0
 if [ "$what" != bench ]; then
-  ctest --test-dir build-gpu -L gpu --output-on-failure > "$OUT/ctest.log" 2>&1 || rc=1
+  ctest --test-dir build-gpu -L gpu -V > "$OUT/ctest.log" 2>&1 || rc=1
   grep -E "tests passed|Test +#|Failed|Skipped|Checks|seed" "$OUT/ctest.log" | tail -20 | tee -a "$OUT/summary.txt"
   [ $rc -ne 0 ] && grep -E "test_cuda.c:[0-9]+|ERROR|Invalid|error" "$OUT/ctest.log" | head -30
 fi
