@@ -1,0 +1,120 @@
+#include "daemon_proc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+void da_daemon_dump_log(const da_daemon_proc *d) {
+  FILE *f = fopen(d->log, "r");
+  char line[512];
+  if (!f) return;
+  fprintf(stderr, "---- %s ----\n", d->log);
+  while (fgets(line, sizeof line, f)) fputs(line, stderr);
+  fprintf(stderr, "----\n");
+  fclose(f);
+}
+
+static int log_has(const da_daemon_proc *d, const char *needle) {
+  FILE *f = fopen(d->log, "r");
+  char line[512];
+  int found = 0;
+  if (!f) return 0;
+  while (!found && fgets(line, sizeof line, f)) found = strstr(line, needle) != NULL;
+  fclose(f);
+  return found;
+}
+
+int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *args) {
+  const char *argv[64];
+  int n = 0;
+
+  memset(d, 0, sizeof *d);
+  snprintf(d->dir, sizeof d->dir, "/tmp/detattn-daemon-test-XXXXXX");
+  if (!mkdtemp(d->dir)) return -1;
+  snprintf(d->url, sizeof d->url, "ipc://%s/detattnd.sock", d->dir);
+  snprintf(d->log, sizeof d->log, "%s/detattnd.log", d->dir);
+  argv[n++] = detattnd;
+  argv[n++] = "--listen";
+  argv[n++] = d->url;
+  argv[n++] = "--backend";
+  argv[n++] = "cpu";
+  for (int i = 0; args && args[i] && n < 62; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    int fd = open(d->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      dup2(fd, 2);
+      close(fd);
+    }
+    execv(detattnd, (char *const *)argv);
+    _exit(127);
+  }
+  d->pid = pid;
+  for (int waited = 0; waited < 15000; waited += 20) {
+    if (log_has(d, "listening on")) return 0;
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      d->pid = 0;
+      d->exit_status = status;
+      fprintf(stderr, "detattnd exited before listening (status 0x%x)\n", status);
+      da_daemon_dump_log(d);
+      return -1;
+    }
+    sleep_ms(20);
+  }
+  fprintf(stderr, "detattnd did not print 'listening on' within 15 s\n");
+  da_daemon_dump_log(d);
+  return -1;
+}
+
+int da_daemon_wait(da_daemon_proc *d, int timeout_ms) {
+  if (!d->pid) return 0;
+  for (int waited = 0; waited <= timeout_ms; waited += 10) {
+    int status;
+    pid_t r = waitpid(d->pid, &status, WNOHANG);
+    if (r == d->pid || (r < 0 && errno == ECHILD)) {
+      d->pid = 0;
+      d->exit_status = status;
+      return 0;
+    }
+    sleep_ms(10);
+  }
+  return -1;
+}
+
+void da_daemon_stop(da_daemon_proc *d) {
+  char path[192];
+  if (d->pid) {
+    kill(d->pid, SIGTERM);
+    if (da_daemon_wait(d, 5000) != 0) {
+      kill(d->pid, SIGKILL);
+      waitpid(d->pid, NULL, 0);
+      d->pid = 0;
+    }
+  }
+  if (d->dir[0]) {
+    snprintf(path, sizeof path, "%s/detattnd.sock", d->dir);
+    unlink(path);
+    unlink(d->log);
+    rmdir(d->dir);
+    d->dir[0] = '\0';
+  }
+}

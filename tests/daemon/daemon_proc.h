@@ -1,0 +1,31 @@
+/*
+ * daemon_proc.h — starts the real detattnd for an integration test and makes sure it dies
+ * with the test: on an ipc:// socket in a fresh mkdtemp directory, stderr to a log file
+ * there, PR_SET_PDEATHSIG so that a crashed or killed test takes the daemon with it.
+ *
+ * da_daemon_start returns once the daemon printed "listening on" (or fails, printing its
+ * log). da_daemon_stop sends SIGTERM, waits (bounded), then SIGKILLs, reaps it and removes
+ * the directory; safe to call twice and after the test reaped the daemon itself.
+ */
+#ifndef DA_DAEMON_PROC_H
+#define DA_DAEMON_PROC_H
+
+#include <sys/types.h>
+
+typedef struct da_daemon_proc {
+  pid_t pid;       /* 0 once reaped */
+  int exit_status; /* waitpid status once reaped */
+  char dir[64];
+  char url[128];
+  char log[128];
+} da_daemon_proc;
+
+/* args: extra detattnd flags, NULL-terminated (--listen and --backend cpu are added). */
+int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *args);
+/* Waits up to timeout_ms for the daemon to exit by itself; 0 when it did (exit_status set). */
+int da_daemon_wait(da_daemon_proc *d, int timeout_ms);
+void da_daemon_stop(da_daemon_proc *d);
+/* Prints the last lines of the daemon's log to stderr. */
+void da_daemon_dump_log(const da_daemon_proc *d);
+
+#endif /* DA_DAEMON_PROC_H */
