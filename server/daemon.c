@@ -20,6 +20,8 @@
 #define N_BUCKETS 256
 #define N_SAMPLES 4096
 #define EVENTS_PER_TICK 256
+#define N_GONE 1024
+#define DRAIN_LINGER_MS 200
 
 typedef struct request request;
 
@@ -71,7 +73,7 @@ typedef struct da_daemon {
   uv_loop_t loop;
   uv_async_t ev_async, done_async;
   uv_signal_t sigterm, sigint;
-  uv_timer_t wait_timer;
+  uv_timer_t wait_timer, linger_timer;
   int n_handles; /* open uv handles */
   da_backend *be;
   const da_backend_info *info;
@@ -84,12 +86,14 @@ typedef struct da_daemon {
   uint64_t batch_counter;
   client *buckets[N_BUCKETS];
   int n_clients;
+  uint32_t gone[N_GONE]; /* recently disconnected pipe ids; see on_request */
+  uint64_t n_gone;
   client *drain_list;
   seq_slot *seqs;
   int max_seqs;
   int n_held;
   int loop_inited;
-  int draining, fatal, stopping;
+  int draining, fatal, stopping, lingered;
   int exit_code;
   uint64_t start_ns;
   /* stats */
@@ -430,6 +434,31 @@ static void drain_held(da_daemon *d, client *c) {
   }
 }
 
+static client *client_add(da_daemon *d, uint32_t id) {
+  client *c = calloc(1, sizeof(*c));
+  if (c == NULL) {
+    da_log_error("out of memory for client %u", id);
+    return NULL;
+  }
+  c->id = id;
+  da_sched_queue_init(&c->q);
+  c->hnext = d->buckets[id % N_BUCKETS];
+  d->buckets[id % N_BUCKETS] = c;
+  d->n_clients++;
+  da_log_debug("client %u connected (%d clients)", id, d->n_clients);
+  return c;
+}
+
+static int is_gone(const da_daemon *d, uint32_t id) {
+  uint64_t n = d->n_gone < N_GONE ? d->n_gone : N_GONE;
+  for (uint64_t i = 0; i < n; i++)
+    if (d->gone[i] == id) return 1;
+  return 0;
+}
+
+/* nng reports a connection's arrival and departure on other threads than its requests, so
+ * a request may be seen before its connection's CONNECT event (the client is created
+ * then) or after its DISCONNECT (it is answered UNAVAILABLE: nobody will read it). */
 static void on_request(da_daemon *d, da_event *ev) {
   da_wire_request *w = &ev->req;
   if (w->status != 0) {
@@ -438,6 +467,7 @@ static void on_request(da_daemon *d, da_event *ev) {
     return;
   }
   client *c = client_find(d, ev->client);
+  if (c == NULL && !is_gone(d, ev->client)) c = client_add(d, ev->client);
   const char *why = c == NULL || c->dead ? "connection closed"
                     : d->fatal           ? "device failed; the daemon is exiting"
                     : d->draining        ? "draining"
@@ -469,21 +499,12 @@ static void on_request(da_daemon *d, da_event *ev) {
 }
 
 static void on_connect(da_daemon *d, uint32_t id) {
-  if (client_find(d, id)) return;
-  client *c = calloc(1, sizeof(*c));
-  if (c == NULL) {
-    da_log_error("out of memory for client %u", id);
-    return;
-  }
-  c->id = id;
-  da_sched_queue_init(&c->q);
-  c->hnext = d->buckets[id % N_BUCKETS];
-  d->buckets[id % N_BUCKETS] = c;
-  d->n_clients++;
-  da_log_debug("client %u connected (%d clients)", id, d->n_clients);
+  if (client_find(d, id) || is_gone(d, id)) return;
+  client_add(d, id);
 }
 
 static void on_disconnect(da_daemon *d, uint32_t id) {
+  if (!is_gone(d, id)) d->gone[d->n_gone++ % N_GONE] = id;
   client *c = client_find(d, id);
   if (c == NULL || c->dead) return;
   c->dead = 1;
@@ -702,14 +723,29 @@ static void on_close(uv_handle_t *h) {
 static void close_handles(da_daemon *d) {
   uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
                        (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
-                       (uv_handle_t *)&d->wait_timer};
+                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer};
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
     if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
 }
 
+static void maybe_stop(da_daemon *d);
+
+static void on_linger(uv_timer_t *t) {
+  da_daemon *d = t->data;
+  d->lingered = 1;
+  maybe_stop(d);
+}
+
+/* Once drained, the daemon lingers DRAIN_LINGER_MS answering UNAVAILABLE "draining", so
+ * requests already on their way get an answer rather than a reset connection. */
 static void maybe_stop(da_daemon *d) {
   if (!d->draining || d->stopping) return;
   if (d->running || d->formed || d->n_held > 0 || da_sched_items_in_flight(d->sched) > 0) return;
+  if (!d->lingered) {
+    if (!uv_is_active((uv_handle_t *)&d->linger_timer))
+      uv_timer_start(&d->linger_timer, on_linger, DRAIN_LINGER_MS, 0);
+    return;
+  }
   d->stopping = 1;
   da_log_info("drained; closing the listener");
   da_transport_close(d->tr, 2000);
@@ -791,12 +827,13 @@ static int start(da_daemon *d) {
   d->loop_inited = 1;
   uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
                        (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
-                       (uv_handle_t *)&d->wait_timer};
+                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer};
   uv_async_init(&d->loop, &d->ev_async, on_events);
   uv_async_init(&d->loop, &d->done_async, on_batch_done);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
   uv_timer_init(&d->loop, &d->wait_timer);
+  uv_timer_init(&d->loop, &d->linger_timer);
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) hs[i]->data = d;
   d->n_handles = (int)(sizeof(hs) / sizeof(hs[0]));
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);

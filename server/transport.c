@@ -19,7 +19,11 @@ struct da_tctx {
   nng_ctx ctx;
   nng_aio *aio;
   int state;
+  uint64_t ticket; /* order of this context's pending receive among all contexts' */
 };
+
+/* A receive that completed without a request: its ticket is skipped. */
+static da_event no_event;
 
 struct da_transport {
   nng_socket sock;
@@ -32,28 +36,65 @@ struct da_transport {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   da_event *head, *tail;
+  /* Arrival order. rep0 hands messages to waiting contexts first-come first-served, so
+   * the order in which contexts start receiving (ticket, taken under arm_mu together with
+   * nng_ctx_recv) is the order in which they get messages. Their callbacks may run in any
+   * order on nng's threads; completed receives wait in slots until every earlier ticket is
+   * delivered. At most n_ctxs tickets are outstanding. */
+  pthread_mutex_t arm_mu; /* recursive: nng may complete a receive inside nng_ctx_recv */
+  uint64_t arm_ticket, deliver_ticket;
+  da_event **slots;
   int sending;
   int closing;
 };
 
-static void push(da_transport *t, da_event *ev) {
-  pthread_mutex_lock(&t->mu);
+static void append(da_transport *t, da_event *ev) {
   if (t->tail) t->tail->next = ev;
   else t->head = ev;
   t->tail = ev;
+}
+
+/* Connection events go straight to the queue. */
+static void push(da_transport *t, da_event *ev) {
+  pthread_mutex_lock(&t->mu);
+  append(t, ev);
   pthread_mutex_unlock(&t->mu);
   t->notify(t->arg);
 }
 
+/* Requests go to the queue in ticket order; ev may be &no_event. */
+static void deliver(da_transport *t, uint64_t ticket, da_event *ev) {
+  int n = 0;
+  pthread_mutex_lock(&t->mu);
+  t->slots[ticket % (uint64_t)t->n_ctxs] = ev;
+  for (;;) {
+    da_event **slot = &t->slots[t->deliver_ticket % (uint64_t)t->n_ctxs];
+    if (*slot == NULL) break;
+    if (*slot != &no_event) {
+      append(t, *slot);
+      n++;
+    }
+    *slot = NULL;
+    t->deliver_ticket++;
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (n) t->notify(t->arg);
+}
+
 static void recv_again(da_tctx *c) {
+  da_transport *t = c->t;
+  pthread_mutex_lock(&t->arm_mu);
   c->state = RECV;
+  c->ticket = t->arm_ticket++;
   nng_ctx_recv(c->ctx, c->aio);
+  pthread_mutex_unlock(&t->arm_mu);
 }
 
 static void on_recv(da_tctx *c) {
   da_transport *t = c->t;
   int rv = nng_aio_result(c->aio);
   if (rv != 0) {
+    deliver(t, c->ticket, &no_event);
     if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
     da_log_warn("receive failed: %s", nng_strerror(rv));
     recv_again(c);
@@ -64,6 +105,7 @@ static void on_recv(da_tctx *c) {
   da_event *ev = calloc(1, sizeof(*ev));
   if (ev == NULL) {
     nng_msg_free(msg);
+    deliver(t, c->ticket, &no_event);
     recv_again(c);
     return;
   }
@@ -75,7 +117,7 @@ static void on_recv(da_tctx *c) {
   da_wire_decode(&t->limits, nng_msg_body(msg), nng_msg_len(msg), &ev->req);
   nng_msg_free(msg);
   c->state = HELD;
-  push(t, ev);
+  deliver(t, c->ticket, ev);
 }
 
 static void on_send(da_tctx *c) {
@@ -155,6 +197,11 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   t->arg = cfg->arg;
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
+  pthread_mutexattr_t ma;
+  pthread_mutexattr_init(&ma);
+  pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
+  pthread_mutex_init(&t->arm_mu, &ma);
+  pthread_mutexattr_destroy(&ma);
   if ((rv = make_ipc_dir(cfg->url, err, errlen)) != 0) goto fail_sock;
   if ((rv = nng_rep0_open(&t->sock)) != 0) {
     snprintf(err, errlen, "nng_rep0_open: %s", nng_strerror(rv));
@@ -167,7 +214,10 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   nng_pipe_notify(t->sock, NNG_PIPE_EV_ADD_POST, on_pipe, t);
   nng_pipe_notify(t->sock, NNG_PIPE_EV_REM_POST, on_pipe, t);
   t->ctxs = calloc((size_t)cfg->n_contexts, sizeof(*t->ctxs));
-  if (t->ctxs == NULL) {
+  t->slots = calloc((size_t)cfg->n_contexts, sizeof(*t->slots));
+  if (t->ctxs == NULL || t->slots == NULL) {
+    free(t->ctxs);
+    free(t->slots);
     snprintf(err, errlen, "out of memory");
     rv = DETATTN_RESOURCE_EXHAUSTED;
     goto fail_ctxs;
@@ -199,10 +249,12 @@ fail_listen:
   nng_close(t->sock);
   for (int i = 0; i < t->n_ctxs; i++) nng_aio_free(t->ctxs[i].aio);
   free(t->ctxs);
+  free(t->slots);
   goto fail_sock;
 fail_ctxs:
   nng_close(t->sock);
 fail_sock:
+  pthread_mutex_destroy(&t->arm_mu);
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);
   free(t);
@@ -282,6 +334,10 @@ void da_transport_close(da_transport *t, int wait_ms) {
   free(t->ctxs);
   da_event *ev;
   while ((ev = da_transport_poll(t)) != NULL) da_transport_event_free(ev);
+  for (int i = 0; i < t->n_ctxs; i++)
+    if (t->slots[i] != NULL && t->slots[i] != &no_event) da_transport_event_free(t->slots[i]);
+  free(t->slots);
+  pthread_mutex_destroy(&t->arm_mu);
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);
   free(t);

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -52,6 +53,7 @@ static void start_daemon(void) {
   pid = fork();
   ck_assert_int_ge(pid, 0);
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* a failed test (no teardown) takes its daemon along */
     FILE *f = freopen(logpath, "w", stderr);
     (void)f;
     execl(daemon_path, daemon_path, "--listen", url, "--backend", "cpu", "--threads", "1", "--layers", "2",
@@ -87,9 +89,13 @@ static int stop_daemon(int sig) {
     }
     pid = 0;
   }
-  char cmd[600];
-  snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-  if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+  if (getenv("DETATTN_TEST_KEEP")) {
+    fprintf(stderr, "kept %s\n", dir);
+  } else {
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+  }
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
@@ -483,35 +489,65 @@ START_TEST(forward_output_matches_the_fp64_reference) {
 }
 END_TEST
 
-START_TEST(sigterm_finishes_accepted_work_then_exits_zero) {
+START_TEST(sigterm_answers_everything_sent_then_exits_zero) {
+  /* Four full-size forwards pipelined on four contexts; SIGTERM as soon as the first is
+   * answered. Every request gets an answer: OK if the daemon had taken it, else
+   * UNAVAILABLE "draining" (never a dropped connection); then the daemon exits 0. */
+  enum { N = 4 };
   nng_socket s = dial();
-  uint64_t sq = seq_open(s);
-  int pos = 0, n = MAX_REQ;
-  fwd x;
-  fwd_build(&x, 0, 1, &sq, &pos, &n);
-  x.req.id = next_id++;
-  size_t len = detattn__v1__request__get_packed_size(&x.req);
-  uint8_t *buf = malloc(len);
-  detattn__v1__request__pack(&x.req, buf);
-  ck_assert_int_eq(nng_send(s, buf, len, 0), 0);
-  /* Give the daemon the request before the signal. */
-  usleep(20000);
-  kill(pid, SIGTERM);
-  void *rbuf;
-  size_t rlen;
-  ck_assert_int_eq(nng_recv(s, &rbuf, &rlen, NNG_FLAG_ALLOC), 0);
-  Detattn__V1__Response *m = detattn__v1__response__unpack(NULL, rlen, rbuf);
-  nng_free(rbuf, rlen);
-  ck_assert_ptr_nonnull(m);
-  EXPECT_STATUS(m, 0, NULL);
-  detattn__v1__response__free_unpacked(m, NULL);
-  free(buf);
-  fwd_free(&x);
+  nng_ctx c[N];
+  nng_aio *aio[N];
+  fwd x[N];
+  uint64_t ids[N];
+  for (int i = 0; i < N; i++) {
+    uint64_t sq = seq_open(s);
+    int pos = 0, n = MAX_REQ / 2;
+    fwd_build(&x[i], 0, 1, &sq, &pos, &n);
+    ck_assert_int_eq(nng_ctx_open(&c[i], s), 0);
+    ck_assert_int_eq(nng_aio_alloc(&aio[i], NULL, NULL), 0);
+    nng_aio_set_timeout(aio[i], 10000);
+  }
+  for (int i = 0; i < N; i++) {
+    x[i].req.id = ids[i] = next_id++;
+    nng_msg *msg;
+    size_t len = detattn__v1__request__get_packed_size(&x[i].req);
+    ck_assert_int_eq(nng_msg_alloc(&msg, len), 0);
+    detattn__v1__request__pack(&x[i].req, nng_msg_body(msg));
+    nng_aio_set_msg(aio[i], msg);
+    nng_ctx_send(c[i], aio[i]);
+    nng_aio_wait(aio[i]);
+    ck_assert_int_eq(nng_aio_result(aio[i]), 0);
+    nng_ctx_recv(c[i], aio[i]);
+  }
+  int ok = 0, draining = 0;
+  for (int i = 0; i < N; i++) {
+    nng_aio_wait(aio[i]);
+    if (i == 0) kill(pid, SIGTERM);
+    ck_assert_msg(nng_aio_result(aio[i]) == 0, "request %d got no answer: %s", i,
+                  nng_strerror(nng_aio_result(aio[i])));
+    nng_msg *msg = nng_aio_get_msg(aio[i]);
+    Detattn__V1__Response *m = detattn__v1__response__unpack(NULL, nng_msg_len(msg), nng_msg_body(msg));
+    nng_msg_free(msg);
+    ck_assert_ptr_nonnull(m);
+    ck_assert_uint_eq(m->id, ids[i]);
+    if (m->status->code == 0) ok++;
+    else {
+      EXPECT_STATUS(m, DETATTN_UNAVAILABLE, "draining");
+      draining++;
+    }
+    detattn__v1__response__free_unpacked(m, NULL);
+    nng_ctx_close(c[i]);
+    nng_aio_free(aio[i]);
+    fwd_free(&x[i]);
+  }
+  ck_assert_int_ge(ok, 1);
+  ck_assert_int_eq(ok + draining, N);
   nng_close(s);
   int st = 0;
   for (int i = 0; i < 500 && waitpid(pid, &st, WNOHANG) != pid; i++) usleep(10000);
   ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 0, "detattnd did not exit 0 after SIGTERM (status %d)", st);
   pid = 0;
+  stop_daemon(0);
 }
 END_TEST
 
@@ -536,7 +572,7 @@ int main(int argc, char **argv) {
   tcase_add_test(tc, dropped_connection_closes_its_sequences);
   tcase_add_test(tc, truncate_waits_for_the_forward_sent_before_it);
   tcase_add_test(tc, forward_output_matches_the_fp64_reference);
-  tcase_add_test(tc, sigterm_finishes_accepted_work_then_exits_zero);
+  tcase_add_test(tc, sigterm_answers_everything_sent_then_exits_zero);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);
