@@ -38,7 +38,7 @@ static struct {
   /* verify */
   da_verify_cfg vcfg;
   double tol;
-} g = {.timeout_ms = 60000, .tokens = 16, .seed = 1, .vcfg = {.seed = 1, .decode_steps = 8}};
+} g = {.timeout_ms = 60000, .tokens = 16, .seed = 1, .vcfg = {.seed = 1, .decode_steps = 16}};
 
 static const opt common_opts[] = {
     {"url", O_STR, g.url, "URL", "daemon address (default $DETATTN_URL, else detattnd's default ipc socket)"},
@@ -60,11 +60,11 @@ static const opt forward_opts[] = {
 
 static const opt verify_opts[] = {
     {"seed", O_U64, &g.vcfg.seed, "S", "workload seed (default 1)"},
-    {"seqs", O_INT, &g.vcfg.seqs, "N", "sequences (default 8)"},
+    {"seqs", O_INT, &g.vcfg.seqs, "N", "sequences (default 16)"},
     {"clients", O_INT, &g.vcfg.clients, "N", "concurrent connections in the second pass (default 4)"},
-    {"layers-used", O_INT, &g.vcfg.layers_used, "N", "layers exercised, spread over the model (default 2)"},
-    {"max-prompt", O_INT, &g.vcfg.max_prompt, "N", "longest random prompt in tokens (default 64)"},
-    {"decode-steps", O_INT, &g.vcfg.decode_steps, "N", "single-token decode steps per sequence (default 8)"},
+    {"layers-used", O_INT, &g.vcfg.layers_used, "N", "layers exercised, spread over the model (default 4, at most the model's)"},
+    {"max-prompt", O_INT, &g.vcfg.max_prompt, "N", "longest random prompt in tokens (default 384)"},
+    {"decode-steps", O_INT, &g.vcfg.decode_steps, "N", "single-token decode steps per sequence (default 16)"},
     {"check-ref", O_FLAG, &g.vcfg.check_ref, NULL, "also compare with an fp64 reference computed here"},
     {"tol", O_DBL, &g.tol, "X", "with --check-ref: largest accepted relative error (default: 2e-2 bf16, 4e-3 fp16)"},
     {NULL, 0, NULL, NULL, NULL}};

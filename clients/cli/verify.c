@@ -26,10 +26,10 @@ struct da_verify {
 };
 
 void da_verify_cfg_defaults(da_verify_cfg *c) {
-  if (!c->seqs) c->seqs = 8;
+  if (!c->seqs) c->seqs = 16;
   if (!c->clients) c->clients = 4;
-  if (!c->layers_used) c->layers_used = 2;
-  if (!c->max_prompt) c->max_prompt = 64;
+  if (!c->layers_used) c->layers_used = 4;
+  if (!c->max_prompt) c->max_prompt = 384;
   if (c->decode_steps < 0) c->decode_steps = 0;
   if (!c->timeout_ms) c->timeout_ms = 60000;
 }

@@ -28,11 +28,11 @@
 typedef struct da_verify_cfg {
   const char *url;
   uint64_t seed;
-  int seqs;         /* sequences (default 8) */
+  int seqs;         /* sequences (default 16) */
   int clients;      /* concurrent connections in the second pass (default 4) */
-  int layers_used;  /* layers exercised, spread over the model (default 2) */
-  int max_prompt;   /* longest prompt in tokens (default 64) */
-  int decode_steps; /* single-token steps after the prompt (0 allowed; the CLI defaults to 8) */
+  int layers_used;  /* layers exercised, spread over the model (default 4) */
+  int max_prompt;   /* longest prompt in tokens (default 384) */
+  int decode_steps; /* single-token steps after the prompt (0 allowed; the CLI defaults to 16) */
   int check_ref;    /* also compare with the fp64 reference */
   int timeout_ms;   /* per call (default 60000) */
 } da_verify_cfg;

@@ -524,11 +524,11 @@ END_TEST
 
 /* ---- SIGTERM: in-flight work finishes OK, new work is refused, exit 0 ---- */
 
-#define TERM_TOKENS 2048
+#define TERM_TOKENS 4096
 
 static void setup_sigterm(void) {
   static const char *const args[] = {"--layers", "1", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128",
-                                     "--dtype", "bf16", "--page-tokens", "16", "--kv-tokens", "4096",
+                                     "--dtype", "bf16", "--page-tokens", "16", "--kv-tokens", "8192",
                                      "--split-tokens", "256", "--tile-tokens", "64", "--threads", "1", NULL};
   start_daemon(args);
 }
