@@ -54,7 +54,7 @@ static void usage(FILE *f) {
     "  --verify             afterwards replay every sequence alone and compare bits\n"
     "  --record FILE        save the fingerprint and every output hash\n"
     "  --compare FILE       compare this run's outputs with a recorded run\n"
-    "  --json FILE          write the report as JSON\n"
+    "  --json FILE          write the report (with --sweep: every point) as JSON\n"
     "  --sweep P=V1,V2,...  repeat the run for P = concurrency or rate; writes CSV + PNG\n"
     "  --sweep-out PREFIX   sweep output files PREFIX.csv, PREFIX.png (default detattn-load-sweep)\n"
     "  --quiet              no progress bar (it is shown only when stderr is a terminal)\n"
@@ -272,6 +272,10 @@ static int run_sweep(options *o) {
     fprintf(stderr, "detattn-load: %s\n", msg);
     return 2;
   }
+  if (o->json && da_report_sweep_json(o->json, o->sweep_param, pts, o->n_sweep, msg, sizeof(msg))) {
+    fprintf(stderr, "detattn-load: --json: %s\n", msg);
+    return 2;
+  }
   printf("wrote %s.csv%s%s%s\n", o->sweep_out, plotted ? " and " : " (gnuplot unavailable: no plot)",
          plotted ? o->sweep_out : "", plotted ? ".png" : "");
   return status;
@@ -315,7 +319,7 @@ static int run_once(options *o) {
     chk.compare_file = o->compare;
     chk.compare_fingerprint = recorded.fingerprint;
     da_record_compare(&recorded, &res.record, &chk.compare);
-    if ((chk.compare.mismatches || chk.compare.sequences_missing) && status == 0) status = 3;
+    if (!da_record_identical(&chk.compare) && status == 0) status = 3;
   }
   da_report_print(stdout, &o->cfg, &o->w, &res, &chk);
   if (o->record && da_record_save(&res.record, o->record, msg, sizeof(msg)) != DETATTN_OK) {

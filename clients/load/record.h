@@ -67,7 +67,12 @@ typedef struct da_record_diff {
   uint32_t first_layer, first_token;
 } da_record_diff;
 
-/* Compares two sorted records output by output. */
+/* Compares two sorted records output by output, over the sequences present in both. */
 void da_record_compare(const da_record *a, const da_record *b, da_record_diff *out);
+/* Identical: something was compared and nothing differed. Sequences present in one record
+ * only (a --duration run completes a timing-dependent set) are reported, not a difference. */
+static inline int da_record_identical(const da_record_diff *d) {
+  return d->sequences_compared > 0 && d->mismatches == 0;
+}
 
 #endif /* DA_RECORD_H */

@@ -91,7 +91,7 @@ void da_report_print(FILE *f, const da_load_cfg *cfg, const da_workload *w,
     snprintf(what, sizeof(what), "compare with %s", chk->compare_file);
     diff_text(f, what, &chk->compare);
     fprintf(f, "compare: %s; fingerprints %s (%016" PRIx64 " recorded, %016" PRIx64 " now)%s\n",
-            chk->compare.mismatches || chk->compare.sequences_missing ? "DIFFERENT" : "identical",
+            da_record_identical(&chk->compare) ? "identical" : "DIFFERENT",
             chk->compare.fingerprints_differ ? "differ" : "equal", chk->compare_fingerprint,
             in->fingerprint, chk->compare.workloads_differ ? "; workloads differ" : "");
   }
@@ -125,12 +125,33 @@ static void diff_json(cJSON *o, const da_record_diff *d) {
   }
 }
 
+/* Prints root to path and frees root. */
+static int write_json(cJSON *root, const char *path, char *msg, size_t msglen) {
+  int rc = DETATTN_OK;
+  char *text = cJSON_Print(root);
+  cJSON_Delete(root);
+  if (!text) {
+    snprintf(msg, msglen, "out of memory building the JSON report");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  FILE *f = fopen(path, "w");
+  if (!f || fputs(text, f) < 0 || fputc('\n', f) == EOF) {
+    snprintf(msg, msglen, "cannot write %s: %s", path, strerror(errno));
+    rc = DETATTN_UNAVAILABLE;
+  }
+  if (f && fclose(f) != 0 && rc == DETATTN_OK) {
+    snprintf(msg, msglen, "cannot write %s: %s", path, strerror(errno));
+    rc = DETATTN_UNAVAILABLE;
+  }
+  cJSON_free(text);
+  return rc;
+}
+
 static void hex(char *buf, uint64_t v) { snprintf(buf, 17, "%016" PRIx64, v); }
 
 int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *w,
                    const da_load_result *res, const da_report_checks *chk, char *msg,
                    size_t msglen) {
-  int rc = DETATTN_OK;
   char fp[17];
   cJSON *root = cJSON_CreateObject();
   if (!root) goto oom;
@@ -191,27 +212,14 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
   if (chk->compared) {
     cJSON *c = cJSON_AddObjectToObject(root, "compare");
     cJSON_AddStringToObject(c, "file", chk->compare_file);
-    cJSON_AddBoolToObject(c, "identical", !chk->compare.mismatches && !chk->compare.sequences_missing);
+    cJSON_AddBoolToObject(c, "identical", da_record_identical(&chk->compare));
     cJSON_AddBoolToObject(c, "fingerprints_differ", chk->compare.fingerprints_differ);
     cJSON_AddBoolToObject(c, "workloads_differ", chk->compare.workloads_differ);
     hex(fp, chk->compare_fingerprint);
     cJSON_AddStringToObject(c, "recorded_fingerprint", fp);
     diff_json(c, &chk->compare);
   }
-  char *text = cJSON_Print(root);
-  if (!text) goto oom;
-  FILE *f = fopen(path, "w");
-  if (!f || fputs(text, f) < 0 || fputc('\n', f) == EOF) {
-    snprintf(msg, msglen, "cannot write %s: %s", path, strerror(errno));
-    rc = DETATTN_UNAVAILABLE;
-  }
-  if (f && fclose(f) != 0 && rc == DETATTN_OK) {
-    snprintf(msg, msglen, "cannot write %s: %s", path, strerror(errno));
-    rc = DETATTN_UNAVAILABLE;
-  }
-  cJSON_free(text);
-  cJSON_Delete(root);
-  return rc;
+  return write_json(root, path, msg, msglen);
 oom:
   cJSON_Delete(root);
   snprintf(msg, msglen, "out of memory building the JSON report");
@@ -279,4 +287,38 @@ int da_report_sweep(const char *prefix, const char *param, const da_sweep_point 
   int st = pclose(g);
   *plotted = st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
   return DETATTN_OK;
+}
+
+int da_report_sweep_json(const char *path, const char *param, const da_sweep_point *pts,
+                         size_t n, char *msg, size_t msglen) {
+  cJSON *root = cJSON_CreateObject();
+  cJSON *arr = root ? cJSON_AddArrayToObject(root, "points") : NULL;
+  if (!arr) {
+    cJSON_Delete(root);
+    snprintf(msg, msglen, "out of memory building the JSON report");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  cJSON_AddStringToObject(root, "sweep", param);
+  for (size_t i = 0; i < n; i++) {
+    const da_sweep_point *p = &pts[i];
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddItemToArray(arr, o);
+    cJSON_AddNumberToObject(o, "value", p->value);
+    cJSON_AddNumberToObject(o, "sequences", (double)p->sequences);
+    cJSON_AddNumberToObject(o, "forward_calls", (double)p->forward_calls);
+    cJSON_AddNumberToObject(o, "errors", (double)p->errors);
+    cJSON_AddNumberToObject(o, "tokens_per_s", p->tokens_per_s);
+    cJSON_AddNumberToObject(o, "forwards_per_s", p->forwards_per_s);
+    cJSON *l = cJSON_AddObjectToObject(o, "latency_us");
+    cJSON_AddNumberToObject(l, "p50", p->p50_us);
+    cJSON_AddNumberToObject(l, "p90", p->p90_us);
+    cJSON_AddNumberToObject(l, "p99", p->p99_us);
+    cJSON_AddNumberToObject(l, "p999", p->p999_us);
+    cJSON *t = cJSON_AddObjectToObject(o, "ttft_ms");
+    cJSON_AddNumberToObject(t, "p50", p->ttft_p50_ms);
+    cJSON_AddNumberToObject(t, "p99", p->ttft_p99_ms);
+    cJSON *tp = cJSON_AddObjectToObject(o, "tpot_ms");
+    cJSON_AddNumberToObject(tp, "p50", p->tpot_p50_ms);
+  }
+  return write_json(root, path, msg, msglen);
 }

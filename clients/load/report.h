@@ -43,4 +43,10 @@ void da_sweep_point_from(da_sweep_point *p, double value, const da_load_result *
 int da_report_sweep(const char *prefix, const char *param, const da_sweep_point *pts, size_t n,
                     bool *plotted, char *msg, size_t msglen);
 
+/* Writes the sweep as JSON: {"sweep": param, "points": [{value, sequences, forward_calls,
+ * errors, tokens_per_s, forwards_per_s, latency_us {p50, p90, p99, p999}, ttft_ms {p50,
+ * p99}, tpot_ms {p50}}]}. Errors: UNAVAILABLE (I/O). */
+int da_report_sweep_json(const char *path, const char *param, const da_sweep_point *pts,
+                         size_t n, char *msg, size_t msglen);
+
 #endif /* DA_REPORT_H */

@@ -334,9 +334,21 @@ START_TEST(sweep_writes_csv_and_plot) {
   snprintf(prefix, sizeof(prefix), "%s/sweep", dir);
   snprintf(csv, sizeof(csv), "%s.csv", prefix);
   snprintf(png, sizeof(png), "%s.png", prefix);
+  char json[160];
+  snprintf(json, sizeof(json), "%s/sweep.json", dir);
   const char *args[] = {"--sweep", "concurrency=1,3", "--requests", "4", "--prompt", "16:64",
-                        "--output", "2:5", "--sweep-out", prefix, NULL};
+                        "--output", "2:5", "--sweep-out", prefix, "--json", json, NULL};
   ck_assert_int_eq(run_load("sweep", daemon_url[0], args), 0);
+  cJSON *j = load_json("sweep.json");
+  const cJSON *pts = cJSON_GetObjectItemCaseSensitive(j, "points");
+  ck_assert_int_eq(cJSON_GetArraySize(pts), 2);
+  for (int i = 0; i < 2; i++) {
+    const cJSON *p = cJSON_GetArrayItem(pts, i);
+    ck_assert(num(p, "value") == (i ? 3 : 1));
+    ck_assert(num(p, "tokens_per_s") > 0);
+    ck_assert(num(obj(p, "latency_us"), "p50") <= num(obj(p, "latency_us"), "p99"));
+  }
+  cJSON_Delete(j);
   FILE *f = fopen(csv, "r");
   ck_assert_ptr_nonnull(f);
   char line[512];

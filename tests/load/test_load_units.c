@@ -345,6 +345,19 @@ START_TEST(record_compare_finds_the_first_planted_difference) {
   da_record_compare(&a, &b, &d);
   ck_assert_uint_eq(d.sequences_missing, 1);
   ck_assert_uint_eq(d.sequences_compared, 19);
+  ck_assert(!da_record_identical(&d));
+  /* Without the planted bits, a missing sequence alone is not a difference. */
+  b.seqs[10].h[(size_t)layer * s->n_tokens + tok] ^= 1;
+  b.seqs[15].h[0] ^= 0x8000;
+  da_record_compare(&a, &b, &d);
+  ck_assert_uint_eq(d.mismatches, 0);
+  ck_assert(da_record_identical(&d));
+  /* Nothing in common: not identical. */
+  da_record empty;
+  da_record_init(&empty, 3);
+  da_record_compare(&a, &empty, &d);
+  ck_assert(!da_record_identical(&d));
+  da_record_fini(&empty);
   da_record_fini(&a);
   da_record_fini(&b);
 }
