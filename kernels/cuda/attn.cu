@@ -143,22 +143,33 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       cp_async16(smem_u32(qs) + swz<D>(r, c), src, ok);
     }
   }
+  /* Page ids of the key rows of a tile, fetched one iteration before the tile's copies
+   * are issued (so the page-table latency hides behind compute); -1: row not loaded. */
+  __shared__ int32_t s_pg[3][BN];
+  auto page_of = [&](int kt) -> int32_t {
+    const int kp = kt * BN + tid;
+    if (tid >= BN || kt > kt_end || kp < w0_min || kp > p_max) return -1;
+    return pt[kp >> a.page_shift];
+  };
   auto load_tile = [&](int kt, int stage) {
     const uint32_t kd = smem_u32(ks + stage * TILE_B), vd = smem_u32(vs + stage * TILE_B);
     for (int i = tid; i < BN * CH; i += DA_CU_THREADS) {
       const int r = i / CH, c = i % CH, kp = kt * BN + r;
-      const bool ok = kp >= w0_min && kp <= p_max;
+      const int32_t pg = s_pg[stage][r];
       const uint16_t *ksrc = kv, *vsrc = kv;
-      if (ok) {
-        const int64_t off = (int64_t)pt[kp >> a.page_shift] * page_elems + kv_base +
+      if (pg >= 0) {
+        const int64_t off = (int64_t)pg * page_elems + kv_base +
                             (int64_t)(kp & (a.page_tokens - 1)) * D + c * 8;
         ksrc = kv + off;
         vsrc = kv + off + a.n_kv_heads * slab;
       }
-      cp_async16(kd + swz<D>(r, c), ksrc, ok);
-      cp_async16(vd + swz<D>(r, c), vsrc, ok);
+      cp_async16(kd + swz<D>(r, c), ksrc, pg >= 0);
+      cp_async16(vd + swz<D>(r, c), vsrc, pg >= 0);
     }
   };
+  for (int k = 0; k < nst; k++)
+    if (tid < BN) s_pg[k][tid] = page_of(kt_begin + k);
+  __syncthreads();
   for (int k = 0; k < nst - 1; k++) {
     if (kt_begin + k <= kt_end) load_tile(kt_begin + k, k);
     cp_commit();
@@ -180,6 +191,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
 
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     const int i = kt - kt_begin, stage = i % nst;
+    const int32_t pg_next = page_of(kt + nst);
     if (kt + nst - 1 <= kt_end) load_tile(kt + nst - 1, (i + nst - 1) % nst);
     cp_commit();
     if (nst == 3) cp_wait<2>();
@@ -305,6 +317,8 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
         }
       }
     }
+    /* Tile kt's page ids (this stage's slot) were consumed when its copies were issued. */
+    if (tid < BN) s_pg[stage][tid] = pg_next;
     __syncthreads();
   }
 
