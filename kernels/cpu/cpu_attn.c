@@ -8,9 +8,12 @@
 #include "cpu_internal.h"
 #include "numerics.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(DA_CPU_NO_CLONES)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(DA_CPU_NO_CLONES) && \
+    !defined(__SANITIZE_THREAD__)
 /* Vector-width variants of the hot functions. Results are identical in every variant:
- * the arithmetic is elementwise IEEE fp32 without contraction, so only the speed differs. */
+ * the arithmetic is elementwise IEEE fp32 without contraction, so only the speed differs
+ * (tests/kernels/test_kernels_vector_width.c). Off under ThreadSanitizer, whose runtime is
+ * not ready when ifunc resolvers run. */
 #define DA_CPU_HOT __attribute__((target_clones("avx2", "default")))
 #else
 #define DA_CPU_HOT
