@@ -67,6 +67,7 @@ static const opt verify_opts[] = {
     {"decode-steps", O_INT, &g.vcfg.decode_steps, "N", "single-token decode steps per sequence (default 16)"},
     {"check-ref", O_FLAG, &g.vcfg.check_ref, NULL, "also compare with an fp64 reference computed here"},
     {"tol", O_DBL, &g.tol, "X", "with --check-ref: largest accepted relative error (default: 2e-2 bf16, 4e-3 fp16)"},
+    {"url-b", O_STR, &g.vcfg.url_b, "URL", "A/B: run the concurrent pass against this second daemon"},
     {NULL, 0, NULL, NULL, NULL}};
 
 static const opt no_opts[] = {{NULL, 0, NULL, NULL, NULL}};
@@ -421,7 +422,7 @@ done:
 static int cmd_verify(detattn_client *c) {
   da_verify *v;
   da_verify_result r;
-  char msg[512], fp[24];
+  char msg[512], fp[24], fpb[24];
   int st;
   (void)c;
 
@@ -443,6 +444,7 @@ static int cmd_verify(detattn_client *c) {
   int ref_ok = !cfg.check_ref || r.max_rel_err <= tol;
   int pass = r.mismatches == 0 && r.outputs_compared > 0 && ref_ok;
   hex64(fp, sizeof fp, r.fingerprint);
+  hex64(fpb, sizeof fpb, r.fingerprint_b);
   if (g.json) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "result", pass ? "pass" : "fail");
@@ -453,6 +455,7 @@ static int cmd_verify(detattn_client *c) {
     cJSON_AddNumberToObject(j, "outputs_compared", (double)r.outputs_compared);
     cJSON_AddNumberToObject(j, "mismatches", (double)r.mismatches);
     cJSON_AddStringToObject(j, "fingerprint", fp);
+    if (cfg.url_b) cJSON_AddStringToObject(j, "fingerprint_b", fpb);
     cJSON_AddNumberToObject(j, "tokens_per_pass", (double)r.tokens);
     cJSON_AddNumberToObject(j, "forwards_reference", (double)r.forwards_ref);
     cJSON_AddNumberToObject(j, "forwards_concurrent", (double)r.forwards_concurrent);
@@ -477,6 +480,7 @@ static int cmd_verify(detattn_client *c) {
     printf("mismatches       %llu%s%s\n", (unsigned long long)r.mismatches, r.mismatches ? ", first: " : "",
            r.first_mismatch);
     printf("fingerprint      %s\n", fp);
+    if (cfg.url_b) printf("fingerprint B    %s (%s)\n", fpb, r.fingerprint_b == r.fingerprint ? "equal" : "different");
     if (cfg.check_ref)
       printf("fp64 reference   max rel. error %.3g (tolerance %.3g), max lse abs. error %.3g\n", r.max_rel_err, tol,
              r.max_lse_abs_err);

@@ -14,6 +14,8 @@
  *                    the daemon's scheduler mixes them with the other clients' work.
  * Then every output row (sequence, layer, token) of the two passes is compared bitwise
  * (o and lse), and, with check_ref, against an fp64 reference computed here.
+ * With url_b the concurrent pass runs against a second daemon (A/B): equal fingerprints
+ * must give equal bits; different fingerprints are reported, and usually differ.
  *
  * Threads: da_verify_run starts and joins its own threads; the object is not shared.
  */
@@ -35,6 +37,7 @@ typedef struct da_verify_cfg {
   int decode_steps; /* single-token steps after the prompt (0 allowed; the CLI defaults to 16) */
   int check_ref;    /* also compare with the fp64 reference */
   int timeout_ms;   /* per call (default 60000) */
+  const char *url_b; /* A/B: run the concurrent pass against this daemon instead (NULL: url) */
 } da_verify_cfg;
 
 /* Fills unset (zero) fields with the defaults above. */
@@ -44,6 +47,7 @@ typedef struct da_verify_result {
   uint64_t outputs_compared; /* output rows (sequence, layer, token) compared bitwise */
   uint64_t mismatches;       /* rows whose o or lse bits differ between the passes */
   uint64_t fingerprint;      /* the daemon's numerics fingerprint */
+  uint64_t fingerprint_b;    /* the concurrent pass's daemon's (equal to fingerprint without url_b) */
   uint64_t tokens;           /* query tokens per pass */
   uint64_t forwards_ref, forwards_concurrent; /* Forward calls per pass */
   double ref_seconds, concurrent_seconds;

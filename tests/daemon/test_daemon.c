@@ -1,7 +1,7 @@
 /*
  * test_daemon.c — integration tests against the real detattnd (CPU backend, small models),
  * one daemon per test on an ipc:// socket in a temporary directory (daemon_proc.h).
- * Each tcase is its own ctest (CK_RUN_CASE): daemon_verify, daemon_cli_verify,
+ * Each tcase is its own ctest (CK_RUN_CASE): daemon_verify, daemon_cli_verify, daemon_ab,
  * daemon_bad_input, daemon_client_killed, daemon_sigterm.
  *
  * Inputs are seeded random (DETATTN_TEST_SEED overrides; failures print the seed); outputs
@@ -29,7 +29,7 @@
 #include "testutil.h"
 #include "verify.h"
 
-static da_daemon_proc D;
+static da_daemon_proc D, D2, D3;
 static uint64_t seed;
 
 static void sleep_ms(int ms) {
@@ -42,7 +42,11 @@ static void start_daemon(const char *const *args) {
   if (da_daemon_start(&D, DETATTND_PATH, args) != 0) ck_abort_msg("detattnd did not start");
 }
 
-static void teardown(void) { da_daemon_stop(&D); }
+static void teardown(void) {
+  da_daemon_stop(&D3);
+  da_daemon_stop(&D2);
+  da_daemon_stop(&D);
+}
 
 static da_model to_da_model(const detattn_model *m) {
   da_model x = {.n_layers = (int)m->n_layers, .n_q_heads = (int)m->n_q_heads, .n_kv_heads = (int)m->n_kv_heads,
@@ -69,10 +73,12 @@ static detattn_stats stats_ok(detattn_client *c) {
 
 /* ---- verify: concurrency does not change a bit ---- */
 
+#define VERIFY_ARGS(split)                                                                                   \
+  "--layers", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "bf16", "--page-tokens", \
+      "16", "--kv-tokens", "8192", "--split-tokens", split, "--tile-tokens", "16", "--threads", "2", NULL
+
 static void setup_verify(void) {
-  static const char *const args[] = {"--layers", "3", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
-                                     "--dtype", "bf16", "--page-tokens", "16", "--kv-tokens", "8192",
-                                     "--split-tokens", "64", "--tile-tokens", "16", "--threads", "2", NULL};
+  static const char *const args[] = {VERIFY_ARGS("64")};
   start_daemon(args);
 }
 
@@ -158,6 +164,39 @@ START_TEST(cli_verify_exits_zero_and_reports_json) {
   ck_assert_double_lt(err->valuedouble, tolerance(&info.model));
   detattn_close(c);
   cJSON_Delete(j);
+}
+END_TEST
+
+static void run_ab(const char *url_b, da_verify_result *r) {
+  da_verify_cfg cfg = {.url = D.url, .url_b = url_b, .seed = seed, .seqs = 8, .clients = 8, .layers_used = 2,
+                       .max_prompt = 120, .decode_steps = 4};
+  da_verify *v;
+  char msg[512];
+  int st = da_verify_alloc(&v, &cfg, msg, sizeof msg);
+  ck_assert_msg(st == DETATTN_OK, "verify setup: %s (seed %llu)", msg, (unsigned long long)seed);
+  st = da_verify_run(v, r, msg, sizeof msg);
+  ck_assert_msg(st == DETATTN_OK, "verify run: %s (seed %llu)", msg, (unsigned long long)seed);
+  da_verify_free(v);
+}
+
+START_TEST(ab_equal_fingerprints_give_equal_bits_and_other_splits_are_caught) {
+  static const char *const same[] = {VERIFY_ARGS("64")}, *const other[] = {VERIFY_ARGS("16")};
+  da_verify_result r;
+  ck_assert_int_eq(da_daemon_start(&D2, DETATTND_PATH, same), 0);
+  ck_assert_int_eq(da_daemon_start(&D3, DETATTND_PATH, other), 0);
+
+  run_ab(D2.url, &r);
+  ck_assert_uint_eq(r.fingerprint_b, r.fingerprint);
+  ck_assert_uint_gt(r.outputs_compared, 0);
+  ck_assert_msg(r.mismatches == 0, "two daemons with equal fingerprints: %llu outputs differ, first: %s (seed %llu)",
+                (unsigned long long)r.mismatches, r.first_mismatch, (unsigned long long)seed);
+
+  /* Another split size is another fold order: the comparison must notice. */
+  run_ab(D3.url, &r);
+  ck_assert_uint_ne(r.fingerprint_b, r.fingerprint);
+  ck_assert_msg(r.mismatches > 0, "S=64 and S=16 gave identical bits on all %llu outputs (seed %llu)",
+                (unsigned long long)r.outputs_compared, (unsigned long long)seed);
+  ck_assert_str_ne(r.first_mismatch, "");
 }
 END_TEST
 
@@ -606,6 +645,12 @@ static Suite *daemon_suite(void) {
   tcase_add_checked_fixture(t, setup_verify, teardown);
   tcase_set_timeout(t, 50);
   tcase_add_test(t, cli_verify_exits_zero_and_reports_json);
+  suite_add_tcase(s, t);
+
+  t = tcase_create("ab");
+  tcase_add_checked_fixture(t, setup_verify, teardown);
+  tcase_set_timeout(t, 50);
+  tcase_add_test(t, ab_equal_fingerprints_give_equal_bits_and_other_splits_are_caught);
   suite_add_tcase(s, t);
 
   t = tcase_create("bad_input");
