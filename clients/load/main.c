@@ -22,7 +22,7 @@ typedef struct options {
   da_load_cfg cfg;
   da_workload w;
   const char *trace, *record, *compare, *json, *sweep, *sweep_out;
-  bool verify, quiet, rate_set, conc_set;
+  bool verify, quiet, rate_set, conc_set, allow_remote;
   char sweep_param[16];
   double sweep_values[MAX_SWEEP];
   size_t n_sweep;
@@ -31,6 +31,7 @@ typedef struct options {
 static void usage(FILE *f) {
   fprintf(f,
     "usage: detattn-load --url URL [options]\n"
+    "URL: ipc://PATH or tcp://127.0.0.1:PORT (a remote daemon only with --allow-remote)\n"
     "Drives a detattnd with a seeded workload of sequences (prefill, then decode steps of one\n"
     "Forward per layer), reports latency and throughput, and checks outputs bit for bit.\n\n"
     "workload:\n"
@@ -87,6 +88,17 @@ static int parse_u64(const char *name, const char *s, uint64_t lo, uint64_t hi, 
   return 0;
 }
 
+/* ipc://, or tcp:// / tls+tcp:// to a loopback host. */
+static bool url_is_local(const char *url) {
+  if (strncmp(url, "ipc://", 6) == 0) return true;
+  const char *host = NULL;
+  if (strncmp(url, "tcp://", 6) == 0) host = url + 6;
+  else if (strncmp(url, "tls+tcp://", 10) == 0) host = url + 10;
+  if (!host) return false;
+  return strncmp(host, "127.", 4) == 0 || strncmp(host, "localhost:", 10) == 0 ||
+         strncmp(host, "[::1]:", 6) == 0;
+}
+
 static int parse_sweep(options *o) {
   const char *eq = strchr(o->sweep, '=');
   size_t plen = eq ? (size_t)(eq - o->sweep) : 0;
@@ -115,7 +127,7 @@ bad:
 
 enum { O_SEED = 256, O_PROMPT, O_OUTPUT, O_TRACE, O_CHUNK, O_CONC, O_RATE, O_BURST, O_INFLIGHT,
        O_DURATION, O_REQUESTS, O_WARMUP, O_CONNS, O_TIMEOUT, O_VERIFY, O_RECORD, O_COMPARE,
-       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP };
+       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP, O_REMOTE };
 
 static const struct option long_opts[] = {
     {"url", required_argument, 0, O_URL},           {"seed", required_argument, 0, O_SEED},
@@ -129,7 +141,8 @@ static const struct option long_opts[] = {
     {"record", required_argument, 0, O_RECORD},     {"compare", required_argument, 0, O_COMPARE},
     {"json", required_argument, 0, O_JSON},         {"sweep", required_argument, 0, O_SWEEP},
     {"sweep-out", required_argument, 0, O_SWEEP_OUT}, {"quiet", no_argument, 0, O_QUIET},
-    {"help", no_argument, 0, O_HELP},               {0, 0, 0, 0}};
+    {"help", no_argument, 0, O_HELP},               {"allow-remote", no_argument, 0, O_REMOTE},
+    {0, 0, 0, 0}};
 
 static int parse_args(options *o, int argc, char **argv) {
   char msg[256];
@@ -195,6 +208,7 @@ static int parse_args(options *o, int argc, char **argv) {
     case O_SWEEP: o->sweep = optarg; break;
     case O_SWEEP_OUT: o->sweep_out = optarg; break;
     case O_QUIET: o->quiet = true; break;
+    case O_REMOTE: o->allow_remote = true; break;
     case 'h':
     case O_HELP: usage(stdout); exit(0);
     default: usage(stderr); return -1;
@@ -206,6 +220,11 @@ static int parse_args(options *o, int argc, char **argv) {
   }
   if (!o->cfg.url) {
     fprintf(stderr, "detattn-load: --url is required (ipc://PATH or tcp://127.0.0.1:PORT)\n");
+    return -1;
+  }
+  if (!o->allow_remote && !url_is_local(o->cfg.url)) {
+    fprintf(stderr, "detattn-load: --url %s is not ipc:// or a loopback tcp:// address; "
+            "pass --allow-remote to load a remote daemon\n", o->cfg.url);
     return -1;
   }
   if (o->rate_set && o->conc_set) {

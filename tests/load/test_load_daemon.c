@@ -319,6 +319,10 @@ START_TEST(bad_usage_exits_2_with_a_message) {
   ck_assert_int_eq(run_load("badlen", daemon_url[0], badlen), 2);
   snprintf(err, sizeof(err), "%s/badlen.err", dir);
   ck_assert(file_contains(err, "bad length"));
+  const char *remote[] = {"--requests", "1", NULL};
+  ck_assert_int_eq(run_load("remote", "tcp://192.0.2.1:5555", remote), 2);
+  snprintf(err, sizeof(err), "%s/remote.err", dir);
+  ck_assert(file_contains(err, "--allow-remote"));
   char missing[128];
   snprintf(missing, sizeof(missing), "%s/missing.rec", dir);
   const char *nofile[] = {"--requests", "1", "--compare", missing, NULL};
