@@ -8,7 +8,7 @@
 
 #include <nng/protocol/reqrep0/req.h>
 
-enum { CALL_SEND = 0, CALL_RECV = 1, CALL_DONE = 2 };
+enum { CALL_SEND = 0, CALL_RECV = 1 };
 
 static _Thread_local char errmsg[512];
 
@@ -160,7 +160,7 @@ static void finish(detattn_call *k, int status, nng_msg *reply, const char *fmt,
     vsnprintf(k->msg, sizeof k->msg, fmt, ap);
     va_end(ap);
   }
-  k->phase = CALL_DONE;
+  k->done = 1;
   pthread_cond_broadcast(&k->cv);
   pthread_mutex_unlock(&k->mu);
 }
@@ -295,7 +295,7 @@ fail_ctx:
 
 int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
   pthread_mutex_lock(&k->mu);
-  while (k->phase != CALL_DONE) pthread_cond_wait(&k->cv, &k->mu);
+  while (!k->done) pthread_cond_wait(&k->cv, &k->mu);
   int st = k->status;
   *reply = k->reply;
   k->reply = NULL;

@@ -39,7 +39,8 @@ struct detattn_call {
   int op;             /* Detattn__V1__Request__OpCase of the request */
   uint64_t deadline;  /* da_now_ns() deadline, 0: none */
   uint64_t gen;       /* the client's connection generation when the call started */
-  int phase;          /* CALL_SEND, CALL_RECV, CALL_DONE */
+  int phase;          /* CALL_SEND, CALL_RECV: touched only by the aio callback once started */
+  int done;           /* under mu: the transport finished; status, msg and reply are set */
   int status;         /* transport status once done */
   char msg[200];      /* transport message once done with an error */
   nng_msg *reply;
