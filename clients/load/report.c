@@ -273,7 +273,9 @@ int da_report_sweep(const char *prefix, const char *param, const da_sweep_point 
           "set terminal png size 960,640 font ',11'\n"
           "set output '%s'\n"
           "set datafile separator ','\n"
-          "set title 'detattn-load: Forward latency vs throughput (sweep over %s)'\n"
+          "set title 'detattn-load: Forward latency vs throughput (point labels: %s)'\n"
+          "set offsets graph 0.05, graph 0.12, 0, 0\n"
+          "set format y '%%g'\n"
           "set xlabel 'throughput (tokens/s)'\n"
           "set ylabel 'Forward latency (us)'\n"
           "set logscale y\n"
@@ -282,8 +284,8 @@ int da_report_sweep(const char *prefix, const char *param, const da_sweep_point 
           "plot '%s' skip 1 using 5:7 with linespoints pt 7 lw 2 title 'p50', "
           "'' skip 1 using 5:9 with linespoints pt 5 lw 2 title 'p99', "
           "'' skip 1 using 5:10 with linespoints pt 9 lw 2 title 'p99.9', "
-          "'' skip 1 using 5:9:(sprintf('%s=%%g', $1)) with labels offset 0,1.2 notitle\n",
-          png, param, csv, param);
+          "'' skip 1 using 5:9:(sprintf('%%g', $1)) with labels offset 0,1.2 notitle\n",
+          png, param, csv);
   int st = pclose(g);
   *plotted = st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0;
   return DETATTN_OK;
