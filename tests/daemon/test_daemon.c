@@ -1,8 +1,8 @@
 /*
  * test_daemon.c — integration tests against the real detattnd (CPU backend, small models),
  * one daemon per test on an ipc:// socket in a temporary directory (daemon_proc.h).
- * Each tcase is its own ctest (CK_RUN_CASE): daemon_verify, daemon_cli, daemon_ab,
- * daemon_bad_input, daemon_client_killed, daemon_sigterm.
+ * Each tcase is its own ctest (CK_RUN_CASE): daemon_verify, daemon_cli, daemon_ipcbench,
+ * daemon_ab, daemon_bad_input, daemon_client_killed, daemon_sigterm.
  *
  * Inputs are seeded random (DETATTN_TEST_SEED overrides; failures print the seed); outputs
  * are checked against the fp64 reference of tests/common (da_testutil).
@@ -241,6 +241,43 @@ START_TEST(cli_forward_from_files_matches_the_library_bitwise) {
   free(lse);
   free(cli_o);
   free(cli_l);
+  detattn_close(c);
+}
+END_TEST
+
+START_TEST(ipc_bench_is_bounded_and_reports_both_loops) {
+  char cmd[1024], out[4096];
+  size_t len = 0;
+  snprintf(cmd, sizeof cmd, "%s --url %s --seconds 0.3 --json", DETATTN_IPCBENCH_PATH, D.url);
+  uint64_t t0 = da_now_ns();
+  FILE *p = popen(cmd, "r");
+  ck_assert_ptr_nonnull(p);
+  while (len < sizeof out - 1) {
+    size_t n = fread(out + len, 1, sizeof out - 1 - len, p);
+    if (n == 0) break;
+    len += n;
+  }
+  out[len] = '\0';
+  int status = pclose(p);
+  double secs = (double)(da_now_ns() - t0) * 1e-9;
+  ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "detattn-ipc-bench exited 0x%x: %s", status, out);
+  ck_assert_msg(secs < 10, "detattn-ipc-bench --seconds 0.3 took %.1f s", secs);
+  cJSON *j = cJSON_Parse(out);
+  ck_assert_msg(j != NULL, "not JSON: %s", out);
+  const char *loops[] = {"forward", "ping"};
+  for (int i = 0; i < 2; i++) {
+    cJSON *l = cJSON_GetObjectItem(j, loops[i]);
+    ck_assert_ptr_nonnull(l);
+    double n = cJSON_GetNumberValue(cJSON_GetObjectItem(l, "n")), p50 = cJSON_GetNumberValue(cJSON_GetObjectItem(l, "p50_us")),
+           p99 = cJSON_GetNumberValue(cJSON_GetObjectItem(l, "p99_us"));
+    ck_assert_msg(n > 0 && p50 > 0 && p99 >= p50, "%s: n %g p50 %g p99 %g", loops[i], n, p50, p99);
+  }
+  ck_assert_double_gt(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "overhead_ratio_p50")), 0);
+  cJSON_Delete(j);
+  detattn_client *c = connect_ok();
+  detattn_stats st = stats_ok(c);
+  ck_assert_uint_eq(st.sequences, 0);
+  ck_assert_uint_eq(st.kv_pages_used, 0);
   detattn_close(c);
 }
 END_TEST
@@ -724,6 +761,12 @@ static Suite *daemon_suite(void) {
   tcase_set_timeout(t, 50);
   tcase_add_test(t, cli_verify_exits_zero_and_reports_json);
   tcase_add_test(t, cli_forward_from_files_matches_the_library_bitwise);
+  suite_add_tcase(s, t);
+
+  t = tcase_create("ipcbench");
+  tcase_add_checked_fixture(t, setup_verify, teardown);
+  tcase_set_timeout(t, 50);
+  tcase_add_test(t, ipc_bench_is_bounded_and_reports_both_loops);
   suite_add_tcase(s, t);
 
   t = tcase_create("ab");
