@@ -206,8 +206,13 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
     cJSON_AddNumberToObject(s, "queue_us_p99", b->queue_us_p99);
     cJSON_AddNumberToObject(s, "queue_us_max", b->queue_us_max);
   }
-  cJSON_AddNumberToObject(root, "outputs_compared", chk->verified ? (double)chk->verify.outputs_compared : 0);
-  cJSON_AddNumberToObject(root, "mismatches", chk->verified ? (double)chk->verify.mismatches : 0);
+  /* Totals over both checks; each check's own numbers are in "verify" and "compare". */
+  uint64_t compared = (chk->verified ? chk->verify.outputs_compared : 0) +
+                      (chk->compared ? chk->compare.outputs_compared : 0);
+  uint64_t mismatches = (chk->verified ? chk->verify.mismatches : 0) +
+                        (chk->compared ? chk->compare.mismatches : 0);
+  cJSON_AddNumberToObject(root, "outputs_compared", (double)compared);
+  cJSON_AddNumberToObject(root, "mismatches", (double)mismatches);
   if (chk->verified) diff_json(cJSON_AddObjectToObject(root, "verify"), &chk->verify);
   if (chk->compared) {
     cJSON *c = cJSON_AddObjectToObject(root, "compare");
