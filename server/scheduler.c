@@ -134,8 +134,10 @@ int da_sched_admit(da_sched *s, da_sched_queue *q, da_sched_item *items, int n, 
                (unsigned long long)it->wire_seq, da_kvcache_errmsg(s->kv));
       return DETATTN_INTERNAL;
     }
-    memcpy(s->copies + s->n_copies, s->tmp, (size_t)nc * sizeof(*s->tmp));
-    s->n_copies += nc;
+    if (nc > 0) {
+      memcpy(s->copies + s->n_copies, s->tmp, (size_t)nc * sizeof(*s->tmp));
+      s->n_copies += nc;
+    }
     it->admitted_ns = now_ns;
     it->appended = 0;
     it->q_next = it->q_done = 0;
@@ -274,7 +276,7 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
   if (ensure_storage(s, b) != 0) return DETATTN_RESOURCE_EXHAUSTED;
   if (grow((void **)&b->copies, &b->cap_copies, s->n_copies, sizeof(*b->copies)))
     return DETATTN_RESOURCE_EXHAUSTED;
-  memcpy(b->copies, s->copies, (size_t)s->n_copies * sizeof(*s->copies));
+  if (s->n_copies > 0) memcpy(b->copies, s->copies, (size_t)s->n_copies * sizeof(*s->copies));
   int n_copies = s->n_copies;
   s->n_copies = 0;
 
