@@ -102,11 +102,17 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 }
 
 int da_bench_cuda(int argc, char **argv) {
-  int quick = 0, do_decode = 1, do_prefill = 1;
+  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--quick") == 0) quick = 1;
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
     else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
+    else if (strcmp(argv[i], "--contiguous") == 0) contiguous = 1;
+    else if (strcmp(argv[i], "--one-decode") == 0 && i + 2 < argc) {
+      /* One decode case (for profilers): B L. */
+      one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
+      do_prefill = 0;
+    }
   }
   printf("kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops\n");
   int rv = 0;
@@ -118,17 +124,21 @@ int da_bench_cuda(int argc, char **argv) {
     const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
     if (rv != 0) return rv;
-    int32_t *perm = shuffled((max_tokens + 15) / 16, 1);
+    int32_t *perm = shuffled((max_tokens + 15) / 16, contiguous ? 0 : 1);
+    if (contiguous)
+      for (int64_t i = 0; i < (max_tokens + 15) / 16; i++) perm[i] = (int32_t)i;
     double ta, tc;
     for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
       for (size_t li = 0; li < sizeof(Ls) / sizeof(Ls[0]); li++) {
         shape s = {"decode", Bs[bi], Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
+        if (one_b > 0 && (s.B != one_b || s.L != one_l)) continue;
         rv = time_case(ctx, &s, 1, 0, DA_SPLIT_AUTO, "fixedS", perm, 20);
         if (rv != 0) goto out;
         if (bi == 0 && li == 0) da_cuda_bench_time(ctx, 0, 1, &ta, &tc, &n_sm);
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
+        if (one_b > 0) continue;
         rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20);
         if (rv != 0) goto out;
       }

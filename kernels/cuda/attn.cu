@@ -175,13 +175,25 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
     cp_commit();
   }
 
-  /* This thread's two rows: g and g + 8 of the warp's 16. */
+  /* Blocks of at most 16 rows (decode) are computed by all four warps together: warp w
+   * takes keys [16w, 16w + 16) of each tile for S and columns [w D/4, (w+1) D/4) for P.V,
+   * exchanging row maxima, group sums and P through shared memory. Larger blocks give each
+   * warp its own 16 rows. Both run the same per-row arithmetic (numerics.cuh). */
+  const bool split = n_rows - it.row0 <= 16;
   const int g = lane >> 2, qd = lane & 3;
+  const int rbase = split ? 0 : warp * 16;
   row_info ri[2];
-  ri[0] = make_row(a, at, it.kv_head, it.row0 + warp * 16 + g);
-  ri[1] = make_row(a, at, it.kv_head, it.row0 + warp * 16 + g + 8);
-  const bool warp_active = it.row0 + warp * 16 < n_rows;
+  ri[0] = make_row(a, at, it.kv_head, it.row0 + rbase + g);
+  ri[1] = make_row(a, at, it.kv_head, it.row0 + rbase + g + 8);
+  const bool warp_active = split || it.row0 + warp * 16 < n_rows;
   const bool partial = at.slot_base >= 0;
+  const bool lse_writer = !split || warp == 0;
+  const int nv = split ? NTD / 4 : NTD; /* output n8 fragments this warp owns */
+  const int dcol0 = split ? warp * (NTD / 4) : 0;
+  /* Split-mode exchange buffers live in the Q rows a 16-row block does not use. */
+  float *x_max = reinterpret_cast<float *>(qs + 16 * D * 2); /* [4][16] */
+  float *x_sum = x_max + 64;                                 /* [4][16] */
+  uint32_t *x_p = reinterpret_cast<uint32_t *>(x_sum + 64);  /* [4][32][4] */
 
   uint32_t qreg[QREG ? D / 16 : 1][4];
   float acc[NTD][4];
@@ -201,7 +213,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       if (kt == kt_begin && warp_active) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; kk++)
-          ldsm_x4(qreg[kk], smem_u32(qs) + swz<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+          ldsm_x4(qreg[kk], smem_u32(qs) + swz<D>(rbase + (lane & 15), kk * 2 + (lane >> 4)));
       }
     }
     const int j = kt / tps;
@@ -210,9 +222,66 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
 #pragma unroll
       for (int n = 0; n < NTD; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
-    if (warp_active) {
-      const uint32_t kb = smem_u32(ks + stage * TILE_B), vb = smem_u32(vs + stage * TILE_B);
-      const uint32_t qb = smem_u32(qs);
+    const uint32_t kb = smem_u32(ks + stage * TILE_B), vb = smem_u32(vs + stage * TILE_B);
+    const uint32_t qb = smem_u32(qs);
+    const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
+    float alpha[2];
+    if (split) {
+      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        uint32_t qa[4];
+        if constexpr (QREG) {
+          qa[0] = qreg[kk][0], qa[1] = qreg[kk][1], qa[2] = qreg[kk][2], qa[3] = qreg[kk][3];
+        } else {
+          ldsm_x4(qa, qb + swz<D>(lane & 15, kk * 2 + (lane >> 4)));
+        }
+        uint32_t kf[4];
+        ldsm_x4(kf, kb + swz<D>(warp * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+        mma16816<BF16>(s[0], qa, kf[0], kf[1]);
+        mma16816<BF16>(s[1], qa, kf[2], kf[3]);
+      }
+#pragma unroll
+      for (int n = 0; n < 2; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const row_info &r = ri[e >> 1];
+          const int kp = kt * BN + (2 * warp + n) * 8 + qd * 2 + (e & 1);
+          const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
+          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
+                       : -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const float mx = da_quad_max<2>(s, r);
+        if (qd == 0) x_max[warp * 16 + g + 8 * r] = mx;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = g + 8 * r;
+        const float mx = fmaxf(fmaxf(fmaxf(x_max[row], x_max[16 + row]), x_max[32 + row]), x_max[48 + row]);
+        float m_use;
+        alpha[r] = da_rescale(st, r, mx, m_use);
+        da_exp_row<2>(s, r, m_use);
+        const float gs = da_group_sum<2>(s, 0, r);
+        if (qd == 0) x_sum[warp * 16 + row] = gs;
+      }
+      uint4 pw;
+      pw.x = pack2<BF16>(s[0][0], s[0][1]);
+      pw.y = pack2<BF16>(s[0][2], s[0][3]);
+      pw.z = pack2<BF16>(s[1][0], s[1][1]);
+      pw.w = pack2<BF16>(s[1][2], s[1][3]);
+      reinterpret_cast<uint4 *>(x_p)[warp * 32 + lane] = pw;
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = g + 8 * r;
+        const float parts[4] = {x_sum[row], x_sum[16 + row], x_sum[32 + row], x_sum[48 + row]};
+        da_l_update(st, r, alpha[r], parts);
+      }
+    } else if (warp_active) {
       float s[NTS][4];
 #pragma unroll
       for (int n = 0; n < NTS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
@@ -233,7 +302,6 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
         }
       }
       /* A tile inside every row's key range needs no mask (the block is uniform). */
-      const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
       if (full) {
 #pragma unroll
         for (int n = 0; n < NTS; n++)
@@ -253,10 +321,46 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           }
         }
       }
-      float alpha[2];
-      da_tile_update<NTS>(s, st, alpha);
 #pragma unroll
-      for (int n = 0; n < NTD; n++) {
+      for (int r = 0; r < 2; r++) {
+        float m_use;
+        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
+        da_exp_row<NTS>(s, r, m_use);
+        float parts[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) parts[k] = da_group_sum<NTS>(s, 2 * k, r);
+        da_l_update(st, r, alpha[r], parts);
+      }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; kc++) {
+        uint4 pw;
+        pw.x = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+        pw.y = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+        pw.z = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pw.w = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        if (kc == 0) {
+          /* Scale once, before the first P.V step. */
+#pragma unroll
+          for (int n = 0; n < NTD; n++) {
+            acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+            acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+            acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+            acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+          }
+        }
+        const uint32_t pa[4] = {pw.x, pw.y, pw.z, pw.w};
+#pragma unroll
+        for (int dp = 0; dp < D / 16; dp++) {
+          uint32_t vf[4];
+          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+          mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
+          mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
+        }
+      }
+    }
+    if (split) {
+#pragma unroll
+      for (int n = 0; n < NTD / 4; n++) {
         acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
         acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
         acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
@@ -264,15 +368,12 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       }
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
-        uint32_t pa[4];
-        pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-        pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-        pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        const uint4 pw = reinterpret_cast<const uint4 *>(x_p)[kc * 32 + lane];
+        const uint32_t pa[4] = {pw.x, pw.y, pw.z, pw.w};
 #pragma unroll
-        for (int dp = 0; dp < D / 16; dp++) {
+        for (int dp = 0; dp < NTD / 8; dp++) {
           uint32_t vf[4];
-          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
+          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), (dcol0 / 2 + dp) * 2 + (lane >> 4)));
           mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
           mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
         }
@@ -287,18 +388,20 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
         const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
         if (partial) {
           const int64_t slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
-          float *dst = a.acc_o + slot * D + qd * 2;
+          float *dst = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
 #pragma unroll
           for (int n = 0; n < NTD; n++) {
+            if (n >= nv) break;
             float2 v;
             v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
             v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
             *reinterpret_cast<float2 *>(dst + n * 8) = v;
           }
-          if (qd == 0) a.acc_lse[slot] = lse_j;
+          if (qd == 0 && lse_writer) a.acc_lse[slot] = lse_j;
         } else if (j == w.jf) {
 #pragma unroll
           for (int n = 0; n < NTD; n++) {
+            if (n >= nv) break;
             myfold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
             myfold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
           }
@@ -307,6 +410,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
 #pragma unroll
           for (int n = 0; n < NTD; n++) {
+            if (n >= nv) break;
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; e++) {
               float *f = &myfold[(n * 4 + e) * 32];
@@ -328,11 +432,14 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
     const row_info &w = ri[r];
     if (!w.valid) continue;
     const int64_t row = (int64_t)w.t * a.n_q_heads + w.h;
-    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D +
+                                                 dcol0 * 8 + qd * 2);
 #pragma unroll
-    for (int n = 0; n < NTD; n++)
+    for (int n = 0; n < NTD; n++) {
+      if (n >= nv) break;
       dst[n * 4] = pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
-    if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
+    }
+    if (at.lse_off >= 0 && qd == 0 && lse_writer) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
 

@@ -47,41 +47,59 @@ __device__ __forceinline__ void da_state_reset(da_row_state &st) {
 }
 
 /*
- * One tile of NT n8 fragments: x[nt][e] holds the scores of this thread's row e/2 (row g
- * for e in {0,1}, row g + 8 for e in {2,3}; -inf where masked). Replaces x with
- * p = exp2(x - m_new), updates m and l, and returns in alpha[2] the factor the caller must
- * apply to its output accumulator before adding p.V. Reductions over the 4 threads of a
- * quad use a fixed butterfly (xor 1, then xor 2), so all four hold identical values. A
- * fully masked tile leaves (m, l) bit-identical and gives alpha = 1 (or 0 with l = 0 before
- * any key), and p = 0.
+ * The online-softmax tile update, in pieces so that a tile's keys may be computed by one
+ * warp (prefill rows) or by four warps sharing 16 rows (decode rows) with the same bits.
+ * x[nt][e] holds scores of this thread's rows in m16n8 accumulator fragments: row g for e in
+ * {0, 1}, row g + 8 for e in {2, 3}; -inf where masked. For each row r of a tile:
+ *   mx = max over the tile (da_quad_max per warp; max is exact, so any grouping agrees),
+ *   alpha = da_rescale(state, r, mx, m_use), x = da_exp_row (p = exp2(x - m_use)),
+ *   g[k] = da_group_sum over keys [16k, 16k + 16) (a fixed order inside, then the quad
+ *   butterfly xor 1, xor 2), l = alpha * l + (((g0 + g1) + g2) + g3) (da_l_update),
+ *   and the caller scales its output accumulator by alpha before adding p.V.
+ * A fully masked tile leaves (m, l) bit-identical with alpha = 1 (or 0 with l = 0 before
+ * any key) and p = 0.
  */
 template <int NT>
-__device__ __forceinline__ void da_tile_update(float (&x)[NT][4], da_row_state &st, float alpha[2]) {
+__device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
+  float mx = -INFINITY;
 #pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float mx = -INFINITY;
+  for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(x[nt][2 * r], x[nt][2 * r + 1]));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  return mx;
+}
+
+__device__ __forceinline__ float da_rescale(da_row_state &st, int r, float tile_max, float &m_use) {
+  const float m_new = fmaxf(st.m[r], tile_max);
+  m_use = m_new == -INFINITY ? 0.0f : m_new;
+  const float alpha = da_ex2(__fsub_rn(st.m[r], m_use));
+  st.m[r] = m_new;
+  return alpha;
+}
+
+template <int NT>
+__device__ __forceinline__ void da_exp_row(float (&x)[NT][4], int r, float m_use) {
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(x[nt][2 * r], x[nt][2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(st.m[r], mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-    alpha[r] = da_ex2(__fsub_rn(st.m[r], m_use));
-    float sum = 0.0f;
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++) {
-#pragma unroll
-      for (int e = 2 * r; e < 2 * r + 2; e++) {
-        const float p = da_ex2(__fsub_rn(x[nt][e], m_use));
-        x[nt][e] = p;
-        sum = __fadd_rn(sum, p);
-      }
-    }
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
-    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
-    st.l[r] = __fadd_rn(__fmul_rn(alpha[r], st.l[r]), sum);
-    st.m[r] = m_new;
+  for (int nt = 0; nt < NT; nt++) {
+    x[nt][2 * r] = da_ex2(__fsub_rn(x[nt][2 * r], m_use));
+    x[nt][2 * r + 1] = da_ex2(__fsub_rn(x[nt][2 * r + 1], m_use));
   }
+}
+
+template <int NT>
+__device__ __forceinline__ float da_group_sum(const float (&x)[NT][4], int n0, int r) {
+  float s = x[n0][2 * r];
+  s = __fadd_rn(s, x[n0][2 * r + 1]);
+  s = __fadd_rn(s, x[n0 + 1][2 * r]);
+  s = __fadd_rn(s, x[n0 + 1][2 * r + 1]);
+  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
+  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
+  return s;
+}
+
+__device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&g)[4]) {
+  const float sum = __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), g[2]), g[3]);
+  st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), sum);
 }
 
 /* Split finalize: o_j = acc / l, lse_j = m + log2(l). Only for rows with l > 0. */

@@ -20,7 +20,7 @@ t1=$(date +%s.%N)
 cmake --build build-gpu --target test_cuda -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 echo "da_cuda build (16 jobs): $(python3 -c "print(round($t1 - $t0, 1))") s" | tee "$OUT/summary.txt"
 rc=0
-if [ "$what" != bench ]; then
+if [ "$what" = tests ] || [ "$what" = all ]; then
   ctest --test-dir build-gpu -L gpu -V > "$OUT/ctest.log" 2>&1 || rc=1
   grep -E "tests passed|Test +#|Failed|Skipped|Checks|seed" "$OUT/ctest.log" | tail -20 | tee -a "$OUT/summary.txt"
   [ $rc -ne 0 ] && grep -E "test_cuda.c:[0-9]+|ERROR|Invalid|error" "$OUT/ctest.log" | head -30
@@ -31,6 +31,15 @@ if [ "$what" != tests ]; then
     build-gpu/lib/libda_cuda.a build-gpu/lib/libda_core.a -L/usr/local/cuda/lib64 -lcudart \
     $(pkg-config --libs libxxhash) -lm -lpthread -lstdc++ -o build-gpu/bench_cuda || exit 1
   bqs=""; [ "$quick" = --quick ] && bqs=--quick
+  if [ "$what" = profile ]; then
+    build-gpu/bench_cuda --quick --decode-only --contiguous 2>&1 | tee "$OUT/contig.csv"
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      build-gpu/bench_cuda --one-decode 8 16384 > "$OUT/ncu.txt" 2>&1
+    grep -vE "^==PROF==|^ +-+$" "$OUT/ncu.txt" | grep -E "[0-9]" | head -80
+    exit 0
+  fi
   build-gpu/bench_cuda $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
   python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
     > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
