@@ -22,16 +22,16 @@ int da_err(int status, const char *fmt, ...) {
   return status;
 }
 
-/* The connection dropped: every call in flight may have been sent on it, and req0 would
- * resend it on the next connection. Requests are not idempotent, so they fail instead. */
+/* The connection dropped: the daemon may restart with another model, so Hello is asked
+ * again. The calls in flight need nothing here: with resend disabled, req0 itself fails
+ * them with NNG_ECONNRESET (nng 1.5.2 req0_pipe_close, also between send and receive)
+ * instead of resending them on the next connection; requests are not idempotent. */
 static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg) {
   detattn_client *c = arg;
   (void)p;
   (void)ev;
   pthread_mutex_lock(&c->mu);
-  c->gen++;
   c->have_info = 0;
-  for (detattn_call *k = c->inflight; k; k = k->next) nng_aio_abort(k->aio, NNG_ECONNRESET);
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -176,6 +176,7 @@ static nng_duration remaining_ms(const detattn_call *k) {
 
 static void fail_rv(detattn_call *k, int rv, int sending) {
   const char *url = k->client->url;
+  int closing;
   switch (rv) {
   case NNG_ETIMEDOUT:
     if (sending)
@@ -184,7 +185,13 @@ static void fail_rv(detattn_call *k, int rv, int sending) {
       finish(k, DETATTN_DEADLINE_EXCEEDED, NULL, "no reply from the daemon at %s before the deadline", url);
     break;
   case NNG_ECONNRESET:
-    finish(k, DETATTN_UNAVAILABLE, NULL, "connection to the daemon at %s lost with the request in flight", url);
+    pthread_mutex_lock(&k->client->mu);
+    closing = k->client->closing;
+    pthread_mutex_unlock(&k->client->mu);
+    if (closing)
+      finish(k, DETATTN_CANCELLED, NULL, "call cancelled: the client was closed");
+    else
+      finish(k, DETATTN_UNAVAILABLE, NULL, "connection to the daemon at %s lost with the request in flight", url);
     break;
   case NNG_ECLOSED:
   case NNG_ECANCELED:
@@ -197,7 +204,6 @@ static void fail_rv(detattn_call *k, int rv, int sending) {
 
 static void call_cb(void *arg) {
   detattn_call *k = arg;
-  detattn_client *c = k->client;
   int rv = nng_aio_result(k->aio);
 
   if (k->phase == CALL_SEND) {
@@ -208,18 +214,9 @@ static void call_cb(void *arg) {
       fail_rv(k, rv, 1);
       return;
     }
-    /* Under the client lock so a connection loss either sees the receive scheduled (and
-     * aborts it) or is seen here. */
-    pthread_mutex_lock(&c->mu);
-    if (k->gen != c->gen) {
-      pthread_mutex_unlock(&c->mu);
-      fail_rv(k, NNG_ECONNRESET, 0);
-      return;
-    }
     k->phase = CALL_RECV;
     nng_aio_set_timeout(k->aio, remaining_ms(k));
     nng_ctx_recv(k->ctx, k->aio);
-    pthread_mutex_unlock(&c->mu);
     return;
   }
   if (rv != 0) {
@@ -261,7 +258,6 @@ int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_
     goto fail_closing;
   }
   k->deadline = c->timeout_ms > 0 ? da_now_ns() + (uint64_t)c->timeout_ms * 1000000u : 0;
-  k->gen = c->gen;
   k->phase = CALL_SEND;
   k->next = c->inflight;
   if (c->inflight) c->inflight->prev = k;

@@ -1,7 +1,8 @@
 /*
  * client_impl.h — libdetattn's internals, shared by its two modules:
- *   client.c  the transport: the nng req0 socket, one context and one aio per call, the
- *             per-call deadline, connection-loss handling, the thread-local error message;
+ *   client.c  the transport: the nng req0 socket (resend disabled), one context and one
+ *             aio per call, the per-call deadline, status mapping of transport failures,
+ *             the thread-local error message;
  *   ops.c     the operations: protobuf encode, decode and response checks (protobuf
  *             types never leave ops.c).
  *
@@ -38,7 +39,6 @@ struct detattn_call {
   uint64_t id;
   int op;             /* Detattn__V1__Request__OpCase of the request */
   uint64_t deadline;  /* da_now_ns() deadline, 0: none */
-  uint64_t gen;       /* the client's connection generation when the call started */
   int phase;          /* CALL_SEND, CALL_RECV: touched only by the aio callback once started */
   int done;           /* under mu: the transport finished; status, msg and reply are set */
   int status;         /* transport status once done */
@@ -63,7 +63,6 @@ struct detattn_client {
   pthread_mutex_t mu;
   pthread_cond_t idle;      /* signalled when the in-flight list becomes empty */
   detattn_call *inflight;   /* calls between start and completion */
-  uint64_t gen;             /* bumped when the connection to the daemon drops */
   int closing;
   int have_info;            /* the cached Hello, dropped with the connection */
   detattn_server_info info;

@@ -400,7 +400,8 @@ START_TEST(lost_connection_fails_the_call_and_never_resends_it) {
   /* A daemon at the same address again: the failed request must not arrive there. */
   f.mode = FAKE_OK;
   fake_listen(&f);
-  ck_assert_int_eq(detattn_forward(c, 0, &io, 1), DETATTN_OK);
+  int st = detattn_forward(c, 0, &io, 1);
+  ck_assert_msg(st == DETATTN_OK, "forward after reconnecting: %s: %s", detattn_status_name(st), detattn_errmsg());
   ck_assert_int_eq(fake_count(&f, 1), 2);
   item_free(&b);
   detattn_close(c);
@@ -503,6 +504,64 @@ START_TEST(bad_arguments_are_rejected_before_sending) {
 }
 END_TEST
 
+START_TEST(close_cancels_calls_in_flight) {
+  fake f;
+  detattn_client *c;
+  da_rng r;
+  item_bufs b;
+  detattn_seq_io io;
+  detattn_call *k;
+  detattn_server_info info;
+  da_rng_seed(&r, test_seed());
+  fake_start(&f, FAKE_SILENT);
+  ck_assert_int_eq(detattn_connect(&c, f.url), DETATTN_OK);
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_OK);
+  item_alloc(&r, &b, &io, 1, 0, 3);
+  ck_assert_int_eq(detattn_forward_start(c, 0, &io, 1, &k), DETATTN_OK);
+  uint64_t t0 = da_now_ns();
+  detattn_close(c);
+  int st = detattn_call_wait(k);
+  ck_assert_msg(st == DETATTN_CANCELLED, "call after close: %s: %s", detattn_status_name(st), detattn_errmsg());
+  ck_assert_msg(da_now_ns() - t0 < 2000000000ull, "close waited for the call's deadline");
+  item_free(&b);
+  fake_stop(&f);
+}
+END_TEST
+
+typedef struct err_thread {
+  detattn_client *c;
+  int status;
+  char msg[256];
+} err_thread;
+
+static void *fail_in_thread(void *arg) {
+  err_thread *e = arg;
+  e->status = detattn_seq_close(e->c, 77);
+  snprintf(e->msg, sizeof e->msg, "%s", detattn_errmsg());
+  return NULL;
+}
+
+START_TEST(error_messages_are_per_thread) {
+  fake f;
+  detattn_client *c;
+  pthread_t t;
+  err_thread e;
+  fake_start(&f, FAKE_STATUS);
+  ck_assert_int_eq(detattn_connect(&c, f.url), DETATTN_OK);
+  ck_assert_int_eq(detattn_forward(c, 0, NULL, 1), DETATTN_INVALID_ARGUMENT);
+  char mine[256];
+  snprintf(mine, sizeof mine, "%s", detattn_errmsg());
+  e.c = c;
+  ck_assert_int_eq(pthread_create(&t, NULL, fail_in_thread, &e), 0);
+  pthread_join(t, NULL);
+  ck_assert_int_eq(e.status, DETATTN_NOT_FOUND);
+  ck_assert_str_eq(e.msg, "sequence 77 not found");
+  ck_assert_str_eq(detattn_errmsg(), mine);
+  detattn_close(c);
+  fake_stop(&f);
+}
+END_TEST
+
 static Suite *plugin_suite(void) {
   Suite *s = suite_create("plugin");
   TCase *t = tcase_create("fake_daemon");
@@ -518,6 +577,8 @@ static Suite *plugin_suite(void) {
   tcase_add_test(t, calls_in_flight_complete_out_of_order);
   tcase_add_test(t, threads_sharing_a_client_each_get_their_own_replies);
   tcase_add_test(t, bad_arguments_are_rejected_before_sending);
+  tcase_add_test(t, close_cancels_calls_in_flight);
+  tcase_add_test(t, error_messages_are_per_thread);
   suite_add_tcase(s, t);
   return s;
 }
