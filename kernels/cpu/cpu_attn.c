@@ -63,55 +63,29 @@ static void load_q(const da_cpu *be, const block *bk, float *q) {
  * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. In the
  * pool a page's keys are stored transposed ([d][page_tokens]) and its values row-major
  * ([page_tokens][d]), so both copies below run over contiguous memory. */
-/* Keys of one page run into the transposed tile, in fixed chunks of 8 that vectorise. */
-#define LOAD_K(cvt)                                                            \
-  for (int c = 0; c < d; c++) {                                                \
-    const uint16_t *kc = k + (size_t)c * ptok;                                 \
-    float *kdc = kd + (size_t)c * tile;                                        \
-    int i = 0;                                                                 \
-    for (; i + 8 <= n; i += 8)                                                 \
-      for (int j = 0; j < 8; j++) kdc[i + j] = cvt(kc[i + j]);                 \
-    for (; i < n; i++) kdc[i] = cvt(kc[i]);                                    \
-  }
-
-DA_CPU_HOT
-static void load_tile(const da_cpu *be, const block *bk, int ts, int lo, int hi, float *kt,
-                      float *vt) {
-  const int d = be->d, tile = be->tile, ptok = be->ptok;
-  const int bf16 = be->cfg.model.dtype == DA_BF16;
-  const uint16_t *kbase = be->kv + (size_t)bk->a->layer * 2 * be->layer_elems;
-  const uint16_t *vbase = kbase + be->layer_elems;
-  if (lo > ts || hi < ts + tile - 1)
-    for (size_t i = 0; i < (size_t)d * tile; i++) kt[i] = 0.0f;
-  for (int pos = lo; pos <= hi;) {
-    const int slot = pos % ptok;
-    const int n = hi - pos + 1 < ptok - slot ? hi - pos + 1 : ptok - slot;
-    const size_t page = (size_t)bk->a->pages[pos / ptok] * be->page_elems +
-                        (size_t)bk->kvh * ptok * d;
-    const uint16_t *k = kbase + page + slot, *v = vbase + page + (size_t)slot * d;
-    float *kd = kt + (pos - ts), *vd = vt + (size_t)(pos - ts) * d;
-    const size_t nv = (size_t)n * d;
-    if (bf16) {
-      LOAD_K(da_cpu_bf16);
-      for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_bf16(v[i]);
-    } else {
-      LOAD_K(da_cpu_fp16);
-      for (size_t i = 0; i < nv; i++) vd[i] = da_cpu_fp16(v[i]);
-    }
-    pos += n;
-  }
-}
-
 static inline int row_in_split(const da_cpu *be, int p, int j) {
   const int w0 = da_cpu_w0(be->cfg.model.window, p);
   const int64_t s0 = (int64_t)j * be->split;
   return s0 <= p && s0 + be->split - 1 >= w0;
 }
 
-/* Runs split j for the block's rows that take part in it; leaves their (m, l, acc) in sc. */
+/* One q-head group of a row block against one tile: scores, softmax, acc update. */
+#define GROUP_UPDATE(N, DT)                                                             \
+  do {                                                                                  \
+    da_cpu_scores##N##_##DT(q, &kv, tile, c0, c1, scale, softcap, sc->s);               \
+    for (int h = 0; h < N; h++)                                                         \
+      alpha[h] = da_cpu_softmax_tile(&sc->m[r0 + h], &sc->l[r0 + h], sc->s + h * tile,  \
+                                     sc->p + h * tile, i0, i1);                         \
+    da_cpu_pv##N##_##DT(acc, alpha, sc->p, tile, &kv, i0, i1);                          \
+  } while (0)
+
+/* Runs split j for the block's rows that take part in it; leaves their (m, l, acc) in sc.
+ * K/V are read straight from the pool pages, converted in registers. */
 DA_CPU_HOT
 static void run_split(const da_cpu *be, da_cpu_scratch *sc, const block *bk, int j) {
   const int d = be->d, g = be->g, tile = be->tile, rows = bk->nt * g;
+  const int gs = g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1; /* q heads processed together */
+  const int bf16 = be->cfg.model.dtype == DA_BF16;
   const int window = be->cfg.model.window;
   const float scale = be->cfg.model.scale, softcap = be->cfg.model.softcap;
   const int s0 = j * be->split, s1 = s0 + be->split - 1;
@@ -124,23 +98,40 @@ static void run_split(const da_cpu *be, da_cpu_scratch *sc, const block *bk, int
     float *acc = sc->acc + (size_t)r * d;
     for (int c = 0; c < d; c++) acc[c] = 0.0f;
   }
+  const size_t head = (size_t)bk->kvh * be->ptok * d;
+  const uint16_t *kpool = be->kv + (size_t)bk->a->layer * 2 * be->layer_elems;
+  da_cpu_kv kv = {.k = kpool + head, .v = kpool + be->layer_elems + head,
+                  .pages = bk->a->pages, .page_elems = be->page_elems, .ptok = be->ptok,
+                  .ptok_log2 = __builtin_ctz((unsigned)be->ptok), .d = d};
+  const int align = be->ptok >= 16 ? 16 : 8;
   for (int ts = a0 - a0 % tile; ts <= a1; ts += tile) {
     const int lo = ts > a0 ? ts : a0;
     const int hi = ts + tile - 1 < a1 ? ts + tile - 1 : a1;
-    load_tile(be, bk, ts, lo, hi, sc->kt, sc->vt);
-    for (int r = 0; r < rows; r++) {
-      const int p = row_p(bk, r, g);
+    kv.ts = ts;
+    for (int t = 0; t < bk->nt; t++) {
+      const int p = bk->a->q_pos + bk->t0 + t;
       const int w0 = da_cpu_w0(window, p);
       const int rlo = lo > w0 ? lo : w0;
       const int rhi = hi < p ? hi : p;
       if (rlo > rhi) continue; /* no valid key: the state stays as it is */
+      /* Scores run over whole groups of 16 (or 8) keys, which one page holds; only the
+       * valid [i0, i1) are used. */
       const int i0 = rlo - ts, i1 = rhi - ts + 1;
-      da_cpu_scores(sc->q + (size_t)r * d, sc->kt, d, tile, i0 & ~15, (i1 + 15) & ~15, scale,
-                    softcap, sc->s);
-      da_cpu_row st = {.m = sc->m[r], .l = sc->l[r], .acc = sc->acc + (size_t)r * d};
-      da_cpu_tile_update(&st, sc->s, sc->p, sc->vt, d, i0, i1);
-      sc->m[r] = st.m;
-      sc->l[r] = st.l;
+      const int c0 = i0 & -align, c1 = (i1 + align - 1) & -align;
+      for (int r0 = t * g; r0 < (t + 1) * g; r0 += gs) {
+        const float *q = sc->q + (size_t)r0 * d;
+        float *acc = sc->acc + (size_t)r0 * d;
+        float alpha[4];
+        if (bf16) {
+          if (gs == 4) GROUP_UPDATE(4, bf16);
+          else if (gs == 2) GROUP_UPDATE(2, bf16);
+          else GROUP_UPDATE(1, bf16);
+        } else {
+          if (gs == 4) GROUP_UPDATE(4, fp16);
+          else if (gs == 2) GROUP_UPDATE(2, fp16);
+          else GROUP_UPDATE(1, fp16);
+        }
+      }
     }
   }
 }

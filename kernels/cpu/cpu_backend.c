@@ -68,7 +68,7 @@ static void poison_acc(da_cpu *be) {
 
 static int alloc_scratch(da_cpu *be) {
   const size_t d = (size_t)be->d, t = (size_t)be->tile, r = (size_t)be->rows_max;
-  const size_t sizes[] = {d * t, t * d, t, t, r * d, r * d, r, r, r * d, r, d};
+  const size_t sizes[] = {4 * t, 4 * t, r * d, r * d, r, r, r * d, r, d};
   size_t per = 0;
   for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) per += round_up(sizes[i], 16);
   be->scratch_mem = alloc64(per * sizeof(float) * (size_t)be->cfg.n_threads);
@@ -76,8 +76,8 @@ static int alloc_scratch(da_cpu *be) {
   if (be->scratch_mem == NULL || be->scr == NULL) return DETATTN_RESOURCE_EXHAUSTED;
   for (int th = 0; th < be->cfg.n_threads; th++) {
     float *f = (float *)be->scratch_mem + per * (size_t)th;
-    float **dst[] = {&be->scr[th].kt, &be->scr[th].vt, &be->scr[th].s, &be->scr[th].p,
-                     &be->scr[th].q,  &be->scr[th].acc, &be->scr[th].m, &be->scr[th].l,
+    float **dst[] = {&be->scr[th].s,  &be->scr[th].p,  &be->scr[th].q,
+                     &be->scr[th].acc, &be->scr[th].m, &be->scr[th].l,
                      &be->scr[th].fo, &be->scr[th].flse, &be->scr[th].oj};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
       *dst[i] = f;

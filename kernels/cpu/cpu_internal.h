@@ -40,10 +40,8 @@ void da_cpu_pool_fini(da_cpu_pool *p);
 
 /* Per-thread scratch for the attention kernels, sized at create for rows_max rows. */
 typedef struct da_cpu_scratch {
-  float *kt;  /* [head_dim][T]: the current tile's keys, transposed */
-  float *vt;  /* [T][head_dim]: the current tile's values */
-  float *s;   /* [T] scores */
-  float *p;   /* [T] probabilities */
+  float *s;   /* [4][T] scores of up to 4 rows */
+  float *p;   /* [4][T] probabilities */
   float *q;   /* [rows_max][head_dim] the block's queries */
   float *acc; /* [rows_max][head_dim] split state */
   float *m, *l;   /* [rows_max] */

@@ -131,7 +131,8 @@ DA_CPU_INLINE float da_cpu_tanhf(float x) {
   return x < 0.0f ? -t : t;
 }
 
-/* The online-softmax state of one row within one split. acc: [head_dim]. */
+/* The online-softmax state of one row within one split. acc: [head_dim] in the
+ * accumulator layout (see da_cpu_pv1_bf16). */
 typedef struct da_cpu_row {
   float m, l;
   float *acc;
@@ -143,9 +144,11 @@ DA_CPU_INLINE void da_cpu_row_init(da_cpu_row *st, int d) {
   for (int c = 0; c < d; c++) st->acc[c] = 0.0f;
 }
 
-/* Eight fp32 lanes (GCC vector extension): elementwise IEEE operations, lowered to AVX
+/* Eight fp32 lanes (GCC vector extensions): elementwise IEEE operations, lowered to AVX
  * or to pairs of SSE operations; the bits are the same either way. */
 typedef float da_cpu_v8 __attribute__((vector_size(32)));
+typedef uint32_t da_cpu_u8 __attribute__((vector_size(32)));
+typedef uint16_t da_cpu_h8 __attribute__((vector_size(16)));
 /* The helpers below are always inlined: no AVX value ever crosses a call. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 DA_CPU_INLINE da_cpu_v8 da_cpu_ld8(const float *p) {
@@ -154,90 +157,216 @@ DA_CPU_INLINE da_cpu_v8 da_cpu_ld8(const float *p) {
   return v;
 }
 DA_CPU_INLINE void da_cpu_st8(float *p, da_cpu_v8 v) { memcpy(p, &v, sizeof(v)); }
+DA_CPU_INLINE da_cpu_u8 da_cpu_ldh8(const uint16_t *p) {
+  da_cpu_h8 h;
+  memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, da_cpu_u8);
+}
+/* Eight bf16 / fp16 values to fp32, exact: da_cpu_bf16 and da_cpu_fp16 lane by lane. */
+DA_CPU_INLINE da_cpu_v8 da_cpu_bf16x8(const uint16_t *p) {
+  return (da_cpu_v8)(da_cpu_ldh8(p) << 16);
+}
+DA_CPU_INLINE da_cpu_v8 da_cpu_fp16_lanes(da_cpu_u8 h);
+DA_CPU_INLINE da_cpu_v8 da_cpu_fp16x8(const uint16_t *p) { return da_cpu_fp16_lanes(da_cpu_ldh8(p)); }
 
-/* Scores of one query row against keys [i0, i1) of a tile (multiples of 16, i1 <= T).
- * q: [d] fp32; kt: the tile's keys transposed, [d][T] fp32. Writes s[i0, i1). Each s_i is
- * its own ascending sum over c; the lanes run over keys (64 or 16 at a time), so nothing
- * is reassociated. */
-DA_CPU_INLINE void da_cpu_scores(const float *restrict q, const float *restrict kt, int d,
-                                 int tile, int i0, int i1, float scale, float softcap,
-                                 float *restrict s) {
-  int ib = i0;
-  for (; i1 - ib >= 64; ib += 64) {
-    da_cpu_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    const float *k = kt + ib;
-    for (int c = 0; c < d; c++, k += tile) {
-      const float qc = q[c];
-      a0 = a0 + qc * da_cpu_ld8(k);
-      a1 = a1 + qc * da_cpu_ld8(k + 8);
-      a2 = a2 + qc * da_cpu_ld8(k + 16);
-      a3 = a3 + qc * da_cpu_ld8(k + 24);
-      a4 = a4 + qc * da_cpu_ld8(k + 32);
-      a5 = a5 + qc * da_cpu_ld8(k + 40);
-      a6 = a6 + qc * da_cpu_ld8(k + 48);
-      a7 = a7 + qc * da_cpu_ld8(k + 56);
-    }
-    da_cpu_st8(s + ib, a0 * scale);
-    da_cpu_st8(s + ib + 8, a1 * scale);
-    da_cpu_st8(s + ib + 16, a2 * scale);
-    da_cpu_st8(s + ib + 24, a3 * scale);
-    da_cpu_st8(s + ib + 32, a4 * scale);
-    da_cpu_st8(s + ib + 40, a5 * scale);
-    da_cpu_st8(s + ib + 48, a6 * scale);
-    da_cpu_st8(s + ib + 56, a7 * scale);
-  }
-  for (; ib < i1; ib += 16) {
-    da_cpu_v8 a0 = {0}, a1 = {0};
-    const float *k = kt + ib;
-    for (int c = 0; c < d; c++, k += tile) {
-      const float qc = q[c];
-      a0 = a0 + qc * da_cpu_ld8(k);
-      a1 = a1 + qc * da_cpu_ld8(k + 8);
-    }
-    da_cpu_st8(s + ib, a0 * scale);
-    da_cpu_st8(s + ib + 8, a1 * scale);
-  }
-  if (softcap > 0.0f)
-    for (int i = i0; i < i1; i++) s[i] = softcap * da_cpu_tanhf(s[i] / softcap);
+/* Sixteen bf16 / fp16 values to fp32, exact, split by parity: lane j of ev holds element
+ * 2j, lane j of od element 2j + 1. One 32-byte load, a few integer ops per 8 values. */
+DA_CPU_INLINE da_cpu_u8 da_cpu_ld16(const uint16_t *p) {
+  da_cpu_u8 u;
+  memcpy(&u, p, sizeof(u));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+  u = (u << 16) | (u >> 16);
+#endif
+  return u;
+}
+DA_CPU_INLINE da_cpu_v8 da_cpu_fp16_lanes(da_cpu_u8 h) {
+  const da_cpu_u8 sign = (h & 0x8000u) << 16;
+  const da_cpu_u8 em = h & 0x7fffu;
+  const da_cpu_u8 fin = (da_cpu_u8)((da_cpu_v8)(em << 13) * 0x1.0p112f);
+  const da_cpu_u8 special = (em << 13) | 0x7f800000u;
+  const da_cpu_u8 is_special = (da_cpu_u8)(em >= 0x7c00u);
+  return (da_cpu_v8)(((special & is_special) | (fin & ~is_special)) | sign);
+}
+DA_CPU_INLINE void da_cpu_bf16x16(const uint16_t *p, da_cpu_v8 *ev, da_cpu_v8 *od) {
+  const da_cpu_u8 u = da_cpu_ld16(p);
+  *ev = (da_cpu_v8)(u << 16);
+  *od = (da_cpu_v8)(u & 0xffff0000u);
+}
+DA_CPU_INLINE void da_cpu_fp16x16(const uint16_t *p, da_cpu_v8 *ev, da_cpu_v8 *od) {
+  const da_cpu_u8 u = da_cpu_ld16(p);
+  *ev = da_cpu_fp16_lanes(u & 0xffffu);
+  *od = da_cpu_fp16_lanes(u >> 16);
 }
 
-/* The tile update of one row over its valid keys [i0, i1) of a tile, i0 < i1.
- * s: scores, p: scratch [T]; vt: the tile's values, [T][d] fp32. */
-DA_CPU_INLINE void da_cpu_tile_update(da_cpu_row *restrict st, const float *restrict s,
-                                      float *restrict p, const float *restrict vt, int d,
-                                      int i0, int i1) {
+/* Where a tile's keys and values live: the tile starts at absolute position ts; key i of
+ * the tile is at pool page pages[(ts + i) / ptok], slot (ts + i) % ptok. Within a page
+ * (of one layer and kv head) keys are stored transposed, [d][ptok], values row-major,
+ * [ptok][d], in the model dtype. */
+typedef struct da_cpu_kv {
+  const uint16_t *k, *v; /* the layer's K and V pools, offset to the kv head */
+  const int32_t *pages;
+  size_t page_elems;     /* pool elements between consecutive pages */
+  int ptok, ptok_log2, ts, d;
+} da_cpu_kv;
+
+DA_CPU_INLINE const uint16_t *da_cpu_key8(const da_cpu_kv *kv, int i) {
+  const int pos = kv->ts + i;
+  return kv->k + (size_t)kv->pages[pos >> kv->ptok_log2] * kv->page_elems +
+         (pos & (kv->ptok - 1));
+}
+DA_CPU_INLINE const uint16_t *da_cpu_value(const da_cpu_kv *kv, int i) {
+  const int pos = kv->ts + i;
+  return kv->v + (size_t)kv->pages[pos >> kv->ptok_log2] * kv->page_elems +
+         (size_t)(pos & (kv->ptok - 1)) * kv->d;
+}
+
+/* Scores of n query rows (n = 1, 2 or 4: q heads sharing one kv head and one position)
+ * against keys [i0, i1) of a tile (multiples of 8). q: [n][d] fp32; s: [n][T]. Each s_i
+ * is its own ascending sum over c of q_c * k_ic from +0 (no FMA), then times scale; with
+ * softcap, s_i = softcap * tanh(s_i / softcap). Lanes run over keys in groups of 8 (8
+ * keys never straddle a page), 8 / n groups at a time, each key vector loaded and
+ * converted once for all n rows. Nothing is reassociated, so a row's bits do not depend
+ * on n or on how its keys are grouped. */
+#define DA_CPU_SCORES_STEP(N, G, CVT)                                           \
+  do {                                                                          \
+    da_cpu_v8 a[N][G];                                                          \
+    const uint16_t *kp[G];                                                      \
+    for (int j = 0; j < G; j++) kp[j] = da_cpu_key8(kv, ib + 8 * j);            \
+    for (int r = 0; r < N; r++)                                                 \
+      for (int j = 0; j < G; j++) a[r][j] = (da_cpu_v8){0};                     \
+    for (int c = 0; c < d; c++) {                                               \
+      da_cpu_v8 kc[G];                                                          \
+      for (int j = 0; j < G; j++) kc[j] = CVT(kp[j] + (size_t)c * ptok);        \
+      for (int r = 0; r < N; r++) {                                             \
+        const float qc = q[r * d + c];                                          \
+        for (int j = 0; j < G; j++) a[r][j] = a[r][j] + qc * kc[j];             \
+      }                                                                         \
+    }                                                                           \
+    for (int r = 0; r < N; r++)                                                 \
+      for (int j = 0; j < G; j++) da_cpu_st8(s + r * tile + ib + 8 * j, a[r][j] * scale); \
+    ib += 8 * G;                                                                \
+  } while (0)
+
+/* The same sums over groups of 16 keys (pages of 16 tokens or more): even and odd keys in
+ * separate lanes from one load. */
+#define DA_CPU_SCORES16_STEP(N, G, CVT16)                                       \
+  do {                                                                          \
+    da_cpu_v8 ae[N][G], ao[N][G];                                               \
+    const uint16_t *kp[G];                                                      \
+    for (int j = 0; j < G; j++) kp[j] = da_cpu_key8(kv, ib + 16 * j);           \
+    for (int r = 0; r < N; r++)                                                 \
+      for (int j = 0; j < G; j++) ae[r][j] = ao[r][j] = (da_cpu_v8){0};         \
+    for (int c = 0; c < d; c++) {                                               \
+      da_cpu_v8 ke[G], ko[G];                                                   \
+      for (int j = 0; j < G; j++) CVT16(kp[j] + (size_t)c * ptok, &ke[j], &ko[j]); \
+      for (int r = 0; r < N; r++) {                                             \
+        const float qc = q[r * d + c];                                          \
+        for (int j = 0; j < G; j++) {                                           \
+          ae[r][j] = ae[r][j] + qc * ke[j];                                     \
+          ao[r][j] = ao[r][j] + qc * ko[j];                                     \
+        }                                                                       \
+      }                                                                         \
+    }                                                                           \
+    for (int r = 0; r < N; r++)                                                 \
+      for (int j = 0; j < G; j++) {                                             \
+        const da_cpu_v8 e = ae[r][j] * scale, o = ao[r][j] * scale;             \
+        float *sr = s + r * tile + ib + 16 * j;                                 \
+        for (int l = 0; l < 8; l++) {                                           \
+          sr[2 * l] = e[l];                                                     \
+          sr[2 * l + 1] = o[l];                                                 \
+        }                                                                       \
+      }                                                                         \
+    ib += 16 * G;                                                               \
+  } while (0)
+
+#define DA_CPU_DEF_SCORES(N, DT, CVT)                                           \
+  DA_CPU_INLINE void da_cpu_scores##N##_##DT(const float *restrict q, const da_cpu_kv *kv, \
+                                             int tile, int i0, int i1, float scale,    \
+                                             float softcap, float *restrict s) {       \
+    const int d = kv->d, ptok = kv->ptok;                                       \
+    int ib = i0;                                                                \
+    if (ptok >= 16 && (i0 & 15) == 0 && (i1 & 15) == 0) {                       \
+      while (i1 - ib >= 64 / N) DA_CPU_SCORES16_STEP(N, 4 / N, CVT##x16);       \
+      while (ib < i1) DA_CPU_SCORES16_STEP(N, 1, CVT##x16);                     \
+    } else {                                                                    \
+      while (i1 - ib >= 64 / N) DA_CPU_SCORES_STEP(N, 8 / N, CVT##x8);          \
+      while (ib < i1) DA_CPU_SCORES_STEP(N, 1, CVT##x8);                        \
+    }                                                                           \
+    if (softcap > 0.0f)                                                         \
+      for (int r = 0; r < N; r++)                                               \
+        for (int i = i0; i < i1; i++)                                           \
+          s[r * tile + i] = softcap * da_cpu_tanhf(s[r * tile + i] / softcap);  \
+  }
+
+/* The softmax part of a row's tile update over its valid keys [i0, i1), i0 < i1: updates
+ * m and l, writes p[i0, i1), returns alpha for the acc update. */
+DA_CPU_INLINE float da_cpu_softmax_tile(float *m, float *l, const float *restrict s,
+                                        float *restrict p, int i0, int i1) {
   float mt = -INFINITY;
   for (int i = i0; i < i1; i++) mt = s[i] > mt ? s[i] : mt;
-  const float mn = mt > st->m ? mt : st->m;
-  const float alpha = da_cpu_expf(st->m - mn);
+  const float mn = mt > *m ? mt : *m;
+  const float alpha = da_cpu_expf(*m - mn);
   for (int i = i0; i < i1; i++) p[i] = da_cpu_expf(s[i] - mn);
   float lt = 0.0f;
   for (int i = i0; i < i1; i++) lt = lt + p[i];
-  st->l = st->l * alpha + lt;
-  for (int cb = 0; cb < d; cb += 64) { /* head_dim is a multiple of 64 */
-    da_cpu_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    const float *v = vt + (size_t)i0 * d + cb;
-    for (int i = i0; i < i1; i++, v += d) {
-      const float pi = p[i];
-      a0 = a0 + pi * da_cpu_ld8(v);
-      a1 = a1 + pi * da_cpu_ld8(v + 8);
-      a2 = a2 + pi * da_cpu_ld8(v + 16);
-      a3 = a3 + pi * da_cpu_ld8(v + 24);
-      a4 = a4 + pi * da_cpu_ld8(v + 32);
-      a5 = a5 + pi * da_cpu_ld8(v + 40);
-      a6 = a6 + pi * da_cpu_ld8(v + 48);
-      a7 = a7 + pi * da_cpu_ld8(v + 56);
-    }
-    float *acc = st->acc + cb;
-    const da_cpu_v8 pv[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-    for (int j = 0; j < 8; j++) da_cpu_st8(acc + 8 * j, da_cpu_ld8(acc + 8 * j) * alpha + pv[j]);
-  }
-  st->m = mn;
+  *l = *l * alpha + lt;
+  *m = mn;
+  return alpha;
 }
+
+/* The acc part of the tile update for n rows sharing the valid keys [i0, i1):
+ * acc_r,c = acc_r,c * alpha_r + (sum over i ascending of p_r,i * v_i,c, from +0).
+ * acc: [n][d] in the accumulator layout (in each block of 16 columns, the 8 even columns
+ * then the 8 odd ones; da_cpu_finalize restores the order); p: [n][T]. Each value vector
+ * is loaded and converted once for all n rows; lanes run over columns, 64 / n at a time
+ * (head_dim is a multiple of 64). */
+#define DA_CPU_DEF_PV(N, DT, CVT16)                                             \
+  DA_CPU_INLINE void da_cpu_pv##N##_##DT(float *restrict acc, const float *alpha,        \
+                                         const float *restrict p, int tile,              \
+                                         const da_cpu_kv *kv, int i0, int i1) {          \
+    enum { V = 4 / N };                                                         \
+    const int d = kv->d;                                                        \
+    for (int cb = 0; cb < d; cb += 16 * V) {                                    \
+      da_cpu_v8 ae[N][V], ao[N][V];                                             \
+      for (int r = 0; r < N; r++)                                               \
+        for (int j = 0; j < V; j++) ae[r][j] = ao[r][j] = (da_cpu_v8){0};       \
+      for (int i = i0; i < i1; i++) {                                           \
+        const uint16_t *v = da_cpu_value(kv, i) + cb;                           \
+        da_cpu_v8 ve[V], vo[V];                                                 \
+        for (int j = 0; j < V; j++) CVT16(v + 16 * j, &ve[j], &vo[j]);          \
+        for (int r = 0; r < N; r++) {                                           \
+          const float pr = p[r * tile + i];                                     \
+          for (int j = 0; j < V; j++) {                                         \
+            ae[r][j] = ae[r][j] + pr * ve[j];                                   \
+            ao[r][j] = ao[r][j] + pr * vo[j];                                   \
+          }                                                                     \
+        }                                                                       \
+      }                                                                         \
+      for (int r = 0; r < N; r++)                                               \
+        for (int j = 0; j < V; j++) {                                           \
+          float *o = acc + (size_t)r * d + cb + 16 * j;                         \
+          da_cpu_st8(o, da_cpu_ld8(o) * alpha[r] + ae[r][j]);                   \
+          da_cpu_st8(o + 8, da_cpu_ld8(o + 8) * alpha[r] + ao[r][j]);           \
+        }                                                                       \
+    }                                                                           \
+  }
+
+#define DA_CPU_DEF_ROWS(N)                                                      \
+  DA_CPU_DEF_SCORES(N, bf16, da_cpu_bf16)                                       \
+  DA_CPU_DEF_SCORES(N, fp16, da_cpu_fp16)                                       \
+  DA_CPU_DEF_PV(N, bf16, da_cpu_bf16x16)                                        \
+  DA_CPU_DEF_PV(N, fp16, da_cpu_fp16x16)
+DA_CPU_DEF_ROWS(1)
+DA_CPU_DEF_ROWS(2)
+DA_CPU_DEF_ROWS(4)
 
 /* Split result of a row whose split saw at least one valid key: o: [d]. */
 DA_CPU_INLINE float da_cpu_finalize(const da_cpu_row *st, int d, float *restrict o) {
-  for (int c = 0; c < d; c++) o[c] = st->acc[c] / st->l;
+  for (int b = 0; b < d; b += 16)
+    for (int j = 0; j < 8; j++) {
+      o[b + 2 * j] = st->acc[b + j] / st->l;
+      o[b + 2 * j + 1] = st->acc[b + 8 + j] / st->l;
+    }
   return st->m + da_cpu_logf(st->l);
 }
 

@@ -109,33 +109,107 @@ START_TEST(merge_weights_splits_by_their_lse) {
 }
 END_TEST
 
-START_TEST(tile_update_in_two_tiles_matches_fp64_softmax) {
+START_TEST(vector_loads_equal_scalar_loads_for_all_inputs) {
+  uint16_t h[16];
+  for (uint32_t base = 0; base < 65536; base += 16) {
+    for (int j = 0; j < 16; j++) h[j] = (uint16_t)(base + j);
+    const da_cpu_v8 b = da_cpu_bf16x8(h), f = da_cpu_fp16x8(h);
+    da_cpu_v8 be, bo, fe, fo;
+    da_cpu_bf16x16(h, &be, &bo);
+    da_cpu_fp16x16(h, &fe, &fo);
+    for (int j = 0; j < 8; j++) {
+      ck_assert_msg(da_cpu_bits(b[j]) == da_cpu_bits(da_cpu_bf16(h[j])), "bf16 0x%04x", h[j]);
+      ck_assert_msg(da_cpu_bits(f[j]) == da_cpu_bits(da_cpu_fp16(h[j])), "fp16 0x%04x", h[j]);
+      for (int par = 0; par < 2; par++) {
+        const uint16_t x = h[2 * j + par];
+        ck_assert_msg(da_cpu_bits((par ? bo : be)[j]) == da_cpu_bits(da_cpu_bf16(x)), "bf16x16 0x%04x", x);
+        ck_assert_msg(da_cpu_bits((par ? fo : fe)[j]) == da_cpu_bits(da_cpu_fp16(x)), "fp16x16 0x%04x", x);
+      }
+    }
+  }
+}
+END_TEST
+
+/* One page of T keys of one kv head in the pool layout: keys [d][T], values [T][d]. */
+enum { T = 32, D = 64 };
+typedef struct page {
+  uint16_t k[D * T], v[T * D];
+  int32_t ids[1];
+} page;
+
+static void make_page(page *pg, da_rng *r, da_cpu_kv *kv) {
+  for (int i = 0; i < D * T; i++) {
+    pg->k[i] = da_f32_to_bf16((float)da_rng_normal(r));
+    pg->v[i] = da_f32_to_bf16((float)da_rng_normal(r));
+  }
+  pg->ids[0] = 0;
+  *kv = (da_cpu_kv){.k = pg->k, .v = pg->v, .pages = pg->ids, .page_elems = 0, .ptok = T,
+                    .ts = 0, .d = D};
+}
+
+START_TEST(grouped_rows_give_the_same_bits_as_single_rows) {
+  const uint64_t seed = da_test_seed(45);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  page pg;
+  da_cpu_kv kv;
+  make_page(&pg, &r, &kv);
+  float q[4 * D], s4[4 * T], s1[4 * T], p[4 * T], acc4[4 * D], acc1[4 * D], alpha[4];
+  for (int i = 0; i < 4 * D; i++) q[i] = (float)da_rng_normal(&r);
+  for (int i = 0; i < 4 * D; i++) acc4[i] = acc1[i] = (float)da_rng_normal(&r);
+  for (int i = 0; i < 4; i++) alpha[i] = (float)da_rng_uniform(&r);
+  for (int i = 0; i < 4 * T; i++) p[i] = (float)da_rng_uniform(&r);
+  /* Keys [8, 32) take the 8-key path, [0, 32) the 16-key path; both give the same bits. */
+  for (int c0 = 0; c0 <= 8; c0 += 8) {
+    da_cpu_scores4_bf16(q, &kv, T, c0, 32, 0.125f, 7.0f, s4);
+    for (int h = 0; h < 4; h++)
+      da_cpu_scores1_bf16(q + h * D, &kv, T, c0 == 0 ? 8 : 0, 32, 0.125f, 7.0f, s1 + h * T);
+    for (int h = 0; h < 4; h++)
+      ck_assert_msg(memcmp(s4 + h * T + 8, s1 + h * T + 8, 24 * sizeof(float)) == 0,
+                    "seed %llu: scores of row %d differ (from key %d)", (unsigned long long)seed,
+                    h, c0);
+  }
+  da_cpu_pv4_bf16(acc4, alpha, p, T, &kv, 3, 29);
+  for (int h = 0; h < 4; h++) da_cpu_pv1_bf16(acc1 + h * D, alpha + h, p + h * T, T, &kv, 3, 29);
+  ck_assert_msg(memcmp(acc4, acc1, sizeof(acc4)) == 0, "seed %llu: p.v differs",
+                (unsigned long long)seed);
+}
+END_TEST
+
+START_TEST(tile_updates_in_two_tiles_match_fp64_softmax) {
   const uint64_t seed = da_test_seed(44);
   da_rng r;
   da_rng_seed(&r, seed);
-  enum { T = 32, D = 64 };
-  float s[2][T], p[T], vt[2][T * D], acc[D], o[D];
-  double ref[D], mx = -INFINITY, l = 0.0;
-  for (int t = 0; t < 2; t++)
-    for (int i = 0; i < T; i++) {
-      s[t][i] = (float)(da_rng_normal(&r) * 3.0);
-      for (int c = 0; c < D; c++) vt[t][i * D + c] = (float)da_rng_normal(&r);
-    }
+  page pg[2];
+  da_cpu_kv kv[2];
+  float q[D], s[T], p[T], acc[D], o[D];
+  for (int t = 0; t < 2; t++) make_page(&pg[t], &r, &kv[t]);
+  for (int c = 0; c < D; c++) q[c] = (float)(da_rng_normal(&r) * 3.0);
   /* Tile 0 uses keys [5, 32), tile 1 keys [0, 20). */
   const int lo[2] = {5, 0}, hi[2] = {T, 20};
+  double sc[2][T], ref[D], mx = -INFINITY, l = 0.0;
   for (int t = 0; t < 2; t++)
-    for (int i = lo[t]; i < hi[t]; i++) mx = s[t][i] > mx ? s[t][i] : mx;
+    for (int i = lo[t]; i < hi[t]; i++) {
+      double dot = 0.0;
+      for (int c = 0; c < D; c++) dot += (double)q[c] * da_bf16_to_f32(pg[t].k[c * T + i]);
+      sc[t][i] = dot * 0.125;
+      mx = sc[t][i] > mx ? sc[t][i] : mx;
+    }
   for (int c = 0; c < D; c++) ref[c] = 0.0;
   for (int t = 0; t < 2; t++)
     for (int i = lo[t]; i < hi[t]; i++) {
-      const double e = exp(s[t][i] - mx);
+      const double e = exp(sc[t][i] - mx);
       l += e;
-      for (int c = 0; c < D; c++) ref[c] += e * vt[t][i * D + c];
+      for (int c = 0; c < D; c++) ref[c] += e * da_bf16_to_f32(pg[t].v[i * D + c]);
     }
   for (int c = 0; c < D; c++) ref[c] /= l;
   da_cpu_row st = {.acc = acc};
   da_cpu_row_init(&st, D);
-  for (int t = 0; t < 2; t++) da_cpu_tile_update(&st, s[t], p, vt[t], D, lo[t], hi[t]);
+  for (int t = 0; t < 2; t++) {
+    da_cpu_scores1_bf16(q, &kv[t], T, lo[t] & ~7, (hi[t] + 7) & ~7, 0.125f, 0.0f, s);
+    const float alpha = da_cpu_softmax_tile(&st.m, &st.l, s, p, lo[t], hi[t]);
+    da_cpu_pv1_bf16(acc, &alpha, p, T, &kv[t], lo[t], hi[t]);
+  }
   const float lse = da_cpu_finalize(&st, D, o);
   ck_assert_msg(da_test_rel_err_f32(o, ref, D) < 1e-5, "seed %llu", (unsigned long long)seed);
   ck_assert_msg(fabs(lse - (mx + log(l))) < 1e-5, "seed %llu", (unsigned long long)seed);
@@ -153,7 +227,9 @@ int main(void) {
   tcase_add_test(tc, tanh_is_accurate_and_odd);
   tcase_add_test(tc, merge_of_equal_halves_keeps_output_and_adds_log2);
   tcase_add_test(tc, merge_weights_splits_by_their_lse);
-  tcase_add_test(tc, tile_update_in_two_tiles_matches_fp64_softmax);
+  tcase_add_test(tc, vector_loads_equal_scalar_loads_for_all_inputs);
+  tcase_add_test(tc, grouped_rows_give_the_same_bits_as_single_rows);
+  tcase_add_test(tc, tile_updates_in_two_tiles_match_fp64_softmax);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
