@@ -104,6 +104,8 @@ typedef struct da_daemon {
 
 static void kick(da_daemon *d);
 static void maybe_stop(da_daemon *d);
+static void item_done(void *arg, da_sched_item *it);
+static void item_cancelled(void *arg, da_sched_item *it);
 
 /* ---- stats ---- */
 
@@ -528,11 +530,21 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
       deferred++;
     }
   }
-  da_log_debug("client %u disconnected: %d sequences closed, %d closing after their work", id, closed,
-               deferred);
+  int cancelled = da_sched_cancel(d->sched, &c->q, item_cancelled, d);
+  da_log_debug("client %u disconnected: %d sequences closed, %d closing after their work, %d queued "
+               "items cancelled", id, closed, deferred, cancelled);
   c->n_reqs--;
   client_maybe_free(d, c);
   maybe_stop(d);
+}
+
+static void item_cancelled(void *arg, da_sched_item *it) {
+  request *r = it->user;
+  if (r->status == 0) {
+    r->status = DETATTN_UNAVAILABLE;
+    snprintf(r->err, sizeof(r->err), "connection closed");
+  }
+  item_done(arg, it);
 }
 
 static void on_events(uv_async_t *h) {

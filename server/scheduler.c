@@ -153,6 +153,36 @@ int da_sched_admit(da_sched *s, da_sched_queue *q, da_sched_item *items, int n, 
   return 0;
 }
 
+int da_sched_cancel(da_sched *s, da_sched_queue *q, void (*done)(void *arg, da_sched_item *it), void *arg) {
+  da_sched_item *keep = NULL, *cancelled = NULL, **ct = &cancelled;
+  int n = 0;
+  /* Only the head can have started; everything behind it is untouched. */
+  if (q->head && q->head->appended) {
+    keep = q->head;
+    q->head = keep->next;
+  }
+  while (q->head) {
+    da_sched_item *it = q->head;
+    q->head = it->next;
+    it->next = NULL;
+    s->pending_tokens -= 2 * (int64_t)it->n;
+    s->in_flight--;
+    *ct = it;
+    ct = &it->next;
+    n++;
+  }
+  q->head = q->tail = keep;
+  if (keep) keep->next = NULL;
+  else ring_unlink(s, q);
+  while (cancelled) {
+    da_sched_item *it = cancelled;
+    cancelled = it->next;
+    it->next = NULL;
+    done(arg, it);
+  }
+  return n;
+}
+
 int64_t da_sched_pending_tokens(const da_sched *s) { return s->pending_tokens; }
 int64_t da_sched_items_in_flight(const da_sched *s) { return s->in_flight; }
 

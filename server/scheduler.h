@@ -117,6 +117,12 @@ void da_sched_queue_init(da_sched_queue *q);
 int da_sched_admit(da_sched *s, da_sched_queue *q, da_sched_item *items, int n, uint64_t now_ns,
                    char *err, size_t errlen);
 
+/* Removes q's items whose K/V append is not in any batch yet (a client went away) and calls
+ * done(arg, item) for each, in queue order; nothing of them reaches the backend. Their
+ * pages stay reserved in the KV cache until the caller closes the sequence. Items already
+ * started keep running. Returns the number cancelled. */
+int da_sched_cancel(da_sched *s, da_sched_queue *q, void (*done)(void *arg, da_sched_item *it), void *arg);
+
 /* Work waiting to be formed: cost in tokens (unappended K/V + undispatched queries), and
  * the admission time of the oldest waiting item (0 if none). */
 int64_t da_sched_pending_tokens(const da_sched *s);

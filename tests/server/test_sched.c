@@ -456,6 +456,44 @@ START_TEST(partial_needs_free_accumulator_slots) {
 }
 END_TEST
 
+START_TEST(cancel_drops_unstarted_items_and_keeps_the_started_one) {
+  const int S = 64;
+  make((fixture_cfg){.n_pages = 256, .split = S, .budget = 300 + S, .max_req = 300, .partial_rows = 0});
+  da_sched_queue q;
+  da_sched_queue_init(&q);
+  uint32_t s1 = open_seq(), s2 = open_seq();
+  char err[256];
+  da_sched_item *big = new_item(s1, 0, 0, 300, NULL); /* five chunks */
+  da_sched_item *b = new_item(s1, 1, 0, 10, NULL), *c = new_item(s2, 0, 0, 20, NULL);
+  ck_assert_int_eq(da_sched_admit(s, &q, big, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_admit(s, &q, b, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_admit(s, &q, c, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_form(s, &batch, 2), 0); /* append 300 + queries [0, 64) */
+  ck_assert_int_eq(batch.n_entries, 1);
+  ck_assert_int_lt(big->q_next, big->n);
+  int64_t before = da_sched_pending_tokens(s);
+  ck_assert_int_eq(da_sched_cancel(s, &q, count_done, NULL), 2);
+  ck_assert_int_eq(n_done, 2);
+  ck_assert_int_eq((int)(uintptr_t)b->user, 1);
+  ck_assert_int_eq((int)(uintptr_t)c->user, 1);
+  ck_assert_int_eq(da_sched_pending_tokens(s), before - 2 * (10 + 20));
+  da_sched_complete(s, &batch, count_done, NULL);
+  while (da_sched_items_in_flight(s) > 0) {
+    ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
+    ck_assert_int_gt(batch.n_entries, 0);
+    for (int i = 0; i < batch.n_entries; i++) ck_assert_ptr_eq(batch.entries[i].item, big);
+    da_sched_complete(s, &batch, count_done, NULL);
+  }
+  ck_assert_int_eq(n_done, 3);
+  ck_assert_int_eq(big->q_done, big->n);
+  ck_assert_int_eq(da_sched_pending_tokens(s), 0);
+  ck_assert_int_eq(da_sched_cancel(s, &q, count_done, NULL), 0);
+  free_item(big);
+  free_item(b);
+  free_item(c);
+}
+END_TEST
+
 int main(void) {
   Suite *su = suite_create("server_sched");
   TCase *tc = tcase_create("sched");
@@ -470,6 +508,7 @@ int main(void) {
   tcase_add_test(tc, page_table_snapshot_is_owned_by_the_batch);
   tcase_add_test(tc, split_mode_follows_batch_shape);
   tcase_add_test(tc, partial_needs_free_accumulator_slots);
+  tcase_add_test(tc, cancel_drops_unstarted_items_and_keeps_the_started_one);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);
