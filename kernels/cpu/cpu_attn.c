@@ -63,6 +63,23 @@ static void load_q(const da_cpu *be, const block *bk, float *q) {
  * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. In the
  * pool a page's keys are stored transposed ([d][page_tokens]) and its values row-major
  * ([page_tokens][d]), so both copies below run over contiguous memory. */
+/* Prefetches the pool lines of keys [lo, hi] (the next tile) while this tile computes:
+ * pages sit at random places in the pool, beyond the reach of the hardware prefetcher. */
+static void prefetch_tile(const da_cpu_kv *kv, int lo, int hi) {
+  const size_t d = (size_t)kv->d, ptok = (size_t)kv->ptok;
+  for (int pos = lo; pos <= hi;) {
+    const size_t slot = (size_t)(pos & (kv->ptok - 1));
+    const size_t n = (size_t)(hi - pos + 1) < ptok - slot ? (size_t)(hi - pos + 1) : ptok - slot;
+    const size_t page = (size_t)kv->pages[pos >> kv->ptok_log2] * kv->page_elems;
+    const char *k = (const char *)(kv->k + page + slot);
+    const char *v = (const char *)(kv->v + page + slot * d);
+    for (size_t c = 0; c < d; c++)
+      for (size_t x = 0; x < n * 2; x += 64) __builtin_prefetch(k + c * ptok * 2 + x);
+    for (size_t x = 0; x < n * d * 2; x += 64) __builtin_prefetch(v + x);
+    pos += (int)n;
+  }
+}
+
 static inline int row_in_split(const da_cpu *be, int p, int j) {
   const int w0 = da_cpu_w0(be->cfg.model.window, p);
   const int64_t s0 = (int64_t)j * be->split;
@@ -108,6 +125,7 @@ static void run_split(const da_cpu *be, da_cpu_scratch *sc, const block *bk, int
     const int lo = ts > a0 ? ts : a0;
     const int hi = ts + tile - 1 < a1 ? ts + tile - 1 : a1;
     kv.ts = ts;
+    if (ts + tile <= a1) prefetch_tile(&kv, ts + tile, ts + 2 * tile - 1 < a1 ? ts + 2 * tile - 1 : a1);
     for (int t = 0; t < bk->nt; t++) {
       const int p = bk->a->q_pos + bk->t0 + t;
       const int w0 = da_cpu_w0(window, p);
