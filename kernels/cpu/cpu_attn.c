@@ -1,7 +1,8 @@
 /*
  * The attention work items of the CPU backend. A block is one attention item's kv head
- * and up to qb consecutive query tokens: its g * nt rows (token-major, then q head) share
- * every K/V tile read. Main-phase items either run all splits of a block in-row, or one
+ * and up to qb consecutive query tokens: its g * nt rows (token-major, then q head) walk
+ * the same tiles, so a tile's K/V stay in L1 while all of them use it; the q heads of one
+ * token are processed together, each K/V vector loaded once for up to 4 of them. Main-phase items either run all splits of a block in-row, or one
  * split of a block as a partial into the accumulator pool; combine items fold a block's
  * partials. All arithmetic is in numerics.h.
  */
@@ -59,10 +60,6 @@ static void load_q(const da_cpu *be, const block *bk, float *q) {
   }
 }
 
-/* Converts keys [lo, hi] of the tile starting at ts into kt (transposed) and vt; the
- * tile's other key columns of kt are zeroed. Only pages holding [lo, hi] are read. In the
- * pool a page's keys are stored transposed ([d][page_tokens]) and its values row-major
- * ([page_tokens][d]), so both copies below run over contiguous memory. */
 /* Prefetches the pool lines of keys [lo, hi] (the next tile) while this tile computes:
  * pages sit at random places in the pool, beyond the reach of the hardware prefetcher. */
 static void prefetch_tile(const da_cpu_kv *kv, int lo, int hi) {

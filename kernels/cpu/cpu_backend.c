@@ -2,7 +2,7 @@
  * The CPU backend: the determinism contract of DESIGN.md §1 in portable C, multithreaded.
  * Pools in host memory, taken once in create(): the KV pool in the model dtype,
  * [layer][K][page][kv_head][head_dim][page_tokens] for keys (transposed within a page, so
- * that a tile's keys load into the transposed tile by contiguous runs) and
+ * that element c of 8 or 16 consecutive keys is one vector load) and
  * [layer][V][page][kv_head][page_tokens][head_dim] for values; the accumulator
  * pool, the plan arrays and per-thread scratch. run() validates the whole batch before it
  * writes anything, then copies pages and appends K/V in the calling thread, then runs the

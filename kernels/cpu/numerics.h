@@ -7,7 +7,8 @@
  * tanhf pick FMA or non-FMA variants at run time and differ between versions), so the
  * results do not depend on the machine's vector width, the compiler's vectorisation or
  * libm. Each op is written as it is evaluated; the compiler may vectorise across
- * independent elements but never reassociates.
+ * independent elements but never reassociates. K and V are read from the pool in the
+ * model dtype and converted to fp32 exactly; q is converted once per row.
  *
  * Per row (query token at position p, q head h reading kv head h / G), per split j, the
  * state is (m, l, acc[d]) with m = -inf, l = 0, acc = 0 at the start of the split.
