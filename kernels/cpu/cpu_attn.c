@@ -2,9 +2,10 @@
  * The attention work items of the CPU backend. A block is one attention item's kv head
  * and up to qb consecutive query tokens: its g * nt rows (token-major, then q head) walk
  * the same tiles, so a tile's K/V stay in L1 while all of them use it; the q heads of one
- * token are processed together, each K/V vector loaded once for up to 4 of them. Main-phase items either run all splits of a block in-row, or one
- * split of a block as a partial into the accumulator pool; combine items fold a block's
- * partials. All arithmetic is in numerics.h.
+ * token are processed together, each K/V vector loaded once for up to 4 of them.
+ * Main-phase items either run all splits of a block in-row, or one split of a block as a
+ * partial into the accumulator pool; combine items fold a block's partials. All
+ * arithmetic is in numerics.h.
  */
 #include "cpu_internal.h"
 #include "numerics.h"
