@@ -14,9 +14,9 @@
  * Wire sequence ids are (generation << 32) | KV cache handle, so a closed id is not
  * reused until its handle has been opened 2^32 times.
  *
- * When a connection drops, its waiting requests are dropped, and its sequences are closed
- * as soon as their queued and running work finishes (that work still runs; its replies go
- * nowhere).
+ * When a connection drops, its waiting requests are dropped, its queued forwards that have
+ * not started are cancelled, and its sequences are closed as soon as their running work
+ * finishes (pages go back to the pool).
  *
  * SIGTERM/SIGINT: new requests get UNAVAILABLE "draining"; everything accepted is finished
  * and answered, then the daemon exits 0. A backend run that reports a sticky device error
