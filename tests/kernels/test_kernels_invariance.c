@@ -250,6 +250,40 @@ START_TEST(partial_falls_back_to_inrow_when_slots_run_short) {
 }
 END_TEST
 
+START_TEST(auto_runs_long_decode_as_partials_and_big_batches_in_row) {
+  fixture f;
+  fx_init(&f, _i, 6500);
+  kt_seq a, b;
+  kt_seq_make(&a, &f.m, &f.r, 0, 8 * f.c->split + 5, f.c->ptok, f.used, POOL, 1.5);
+  kt_seq_clone(&b, &a, &f.r, f.c->ptok, f.used, POOL);
+  da_backend *be = fx_open(&f, 4, 0);
+  kt_forward(be, &a, 0, a.len - 1, DA_SPLIT_INROW, f.seed);
+  kt_forward(be, &b, 0, b.len - 1, DA_SPLIT_INROW, f.seed);
+  /* One decode row over many splits, few work items for 4 threads: partials. */
+  da_append ap = kt_append(&a, a.len - 1, 1);
+  da_attn at = kt_attn(&a, a.len - 1, 1);
+  da_batch one = {.appends = &ap, .n_appends = 1, .attns = &at, .n_attns = 1,
+                  .split_mode = DA_SPLIT_AUTO};
+  da_batch_result res;
+  ck_assert_int_eq(da_backend_run(be, &one, &res), 0);
+  ck_assert_int_eq(res.partial_rows, f.m.n_q_heads);
+  ck_assert_int_eq(res.inrow_rows, 0);
+  kt_forward(be, &b, b.len - 1, 1, DA_SPLIT_INROW, f.seed);
+  kt_assert_same_bits(&a, &b, f.seed, "auto (partial) vs in-row decode");
+  /* A whole prefill gives plenty of work items: in-row. */
+  kt_seq_poison_out(&a);
+  da_attn all = kt_attn(&a, 0, a.len);
+  da_batch big = {.attns = &all, .n_attns = 1, .split_mode = DA_SPLIT_AUTO};
+  ck_assert_int_eq(da_backend_run(be, &big, &res), 0);
+  ck_assert_int_eq(res.inrow_rows, (int64_t)a.len * f.m.n_q_heads);
+  ck_assert_int_eq(res.partial_rows, 0);
+  kt_assert_same_bits(&a, &b, f.seed, "auto (in-row) prefill vs token by token");
+  kt_seq_free(&a);
+  kt_seq_free(&b);
+  da_backend_close(be);
+}
+END_TEST
+
 START_TEST(fork_by_page_copy_gives_same_bits_as_fresh_sequence) {
   fixture f;
   fx_init(&f, _i, 7000);
@@ -328,6 +362,7 @@ int main(void) {
   tcase_add_loop_test(tc, inrow_partial_and_auto_give_same_bits, 0, N_CASES);
   tcase_add_loop_test(tc, thread_count_does_not_change_bits, 0, N_CASES);
   tcase_add_loop_test(tc, partial_falls_back_to_inrow_when_slots_run_short, 0, N_CASES);
+  tcase_add_loop_test(tc, auto_runs_long_decode_as_partials_and_big_batches_in_row, 0, N_CASES);
   tcase_add_loop_test(tc, fork_by_page_copy_gives_same_bits_as_fresh_sequence, 0, N_CASES);
   tcase_add_loop_test(tc, truncate_and_reappend_gives_same_bits, 0, N_CASES);
   suite_add_tcase(s, tc);
