@@ -131,7 +131,7 @@ START_TEST(vector_loads_equal_scalar_loads_for_all_inputs) {
 END_TEST
 
 /* One page of T keys of one kv head in the pool layout: keys [d][T], values [T][d]. */
-enum { T = 32, D = 64 };
+enum { T = 32, D = 64 }; /* T = 1 << 5 */
 typedef struct page {
   uint16_t k[D * T], v[T * D];
   int32_t ids[1];
@@ -144,6 +144,7 @@ static void make_page(page *pg, da_rng *r, da_cpu_kv *kv) {
   }
   pg->ids[0] = 0;
   *kv = (da_cpu_kv){.k = pg->k, .v = pg->v, .pages = pg->ids, .page_elems = 0, .ptok = T,
+                    .ptok_log2 = 5,
                     .ts = 0, .d = D};
 }
 
