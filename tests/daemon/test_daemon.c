@@ -46,6 +46,7 @@ static void teardown(void) {
   da_daemon_stop(&D3);
   da_daemon_stop(&D2);
   da_daemon_stop(&D);
+  nng_fini(); /* let nng reap closed sockets before exit (LeakSanitizer) */
 }
 
 static da_model to_da_model(const detattn_model *m) {
@@ -483,7 +484,7 @@ START_TEST(each_bad_request_gets_its_code_and_writes_nothing) {
     uint64_t raw_seq = resp->seq_open->seq;
     detattn__v1__response__free_unpacked(resp, NULL);
     before = stats_ok(g.c);
-    static uint8_t q[2 * BAD_HQ * BAD_D * 2], kv[2 * BAD_HKV * BAD_D * 2];
+    static uint8_t q[2 * BAD_HQ * BAD_D * 2], kv[2 * BAD_HKV * BAD_D * 2], kv_long[sizeof kv + 2];
     Detattn__V1__ForwardSeq fs = DETATTN__V1__FORWARD_SEQ__INIT, *fsp = &fs;
     Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
     fs.seq = raw_seq;
@@ -501,12 +502,12 @@ START_TEST(each_bad_request_gets_its_code_and_writes_nothing) {
     raw_expect(raw_request(&raw, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "short q");
     nothing_written(&g, &before, "short q");
     fs.q.len = sizeof q;
-    fs.v.len = sizeof kv + 2;
+    fs.v = (ProtobufCBinaryData){sizeof kv_long, kv_long};
     rq.id = 3;
     raw_expect(raw_request(&raw, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "long v");
     nothing_written(&g, &before, "long v");
     /* The same request with the right lengths works: the sequence is still at 0. */
-    fs.v.len = sizeof kv;
+    fs.v = (ProtobufCBinaryData){sizeof kv, kv};
     rq.id = 4;
     ck_assert_int_eq(raw_request(&raw, &rq, msg, sizeof msg, NULL), DETATTN_OK);
     Detattn__V1__SeqClose sc = DETATTN__V1__SEQ_CLOSE__INIT;
