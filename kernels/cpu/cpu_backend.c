@@ -329,6 +329,8 @@ static void plan(da_cpu *be, const da_batch *b, da_batch_result *res) {
 
 static int run(void *ctx, const da_batch *b, da_batch_result *res) {
   da_cpu *be = ctx;
+  res->inrow_rows = res->partial_rows = 0;
+  res->err[0] = '\0';
   int rv = validate(be, b, res);
   if (rv != 0) return rv;
   if (be->cfg.poison) poison_acc(be);
