@@ -19,7 +19,7 @@ typedef struct worker {
   /* Input and output buffers, grown on demand. */
   void *q, *k, *v, *o;
   size_t cap_tokens;
-  da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot;
+  da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot, start_lag;
   uint64_t sequences, forward_calls, tokens, prompt_tokens, output_tokens, last_done_ns;
   uint64_t sequences_total, sequences_failed, forward_errors, digest;
   int first_error_status;
@@ -97,6 +97,7 @@ static void worker_init(worker *wk, engine *e, uint32_t n_layers) {
   da_hist_init(&wk->fwd_decode);
   da_hist_init(&wk->ttft);
   da_hist_init(&wk->tpot);
+  da_hist_init(&wk->start_lag);
   da_record_init(&wk->rec, n_layers);
 }
 
@@ -139,9 +140,14 @@ static int run_seq(worker *wk, detattn_client *c, const da_workload *w, uint32_t
   uint64_t seq;
   uint32_t n = step_max;
   da_workload_inputs(w, idx, 0, 0, n, wk->q, wk->k, wk->v);
-  if (arrival_ns) sleep_until(arrival_ns);
+  bool open_loop = arrival_ns != 0;
+  if (open_loop) sleep_until(arrival_ns);
   else arrival_ns = da_now_ns();
   bool measured_seq = measure && arrival_ns >= warm_ns;
+  if (measured_seq && open_loop) {
+    uint64_t now = da_now_ns();
+    da_hist_record(&wk->start_lag, now > arrival_ns ? now - arrival_ns : 0);
+  }
   int rc = detattn_seq_open(c, &seq);
   if (rc != DETATTN_OK) {
     note_error(wk, rc, "seq_open");
@@ -333,6 +339,7 @@ static void merge_worker(da_load_result *r, worker *wk) {
   da_hist_merge(&r->fwd_decode, &wk->fwd_decode);
   da_hist_merge(&r->ttft, &wk->ttft);
   da_hist_merge(&r->tpot, &wk->tpot);
+  da_hist_merge(&r->start_lag, &wk->start_lag);
   r->sequences += wk->sequences;
   r->forward_calls += wk->forward_calls;
   r->tokens += wk->tokens;
@@ -356,6 +363,7 @@ static void result_init(da_load_result *r, uint32_t n_layers) {
   da_hist_init(&r->fwd_decode);
   da_hist_init(&r->ttft);
   da_hist_init(&r->tpot);
+  da_hist_init(&r->start_lag);
   da_record_init(&r->record, n_layers);
 }
 

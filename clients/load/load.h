@@ -47,6 +47,8 @@ typedef struct da_load_result {
   double elapsed_s;
   double tokens_per_s, output_tokens_per_s, forwards_per_s, sequences_per_s;
   da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot; /* nanoseconds */
+  da_hist start_lag; /* open loop: how late a sequence started after its arrival time; a
+                        large lag means the generator (--max-inflight) could not keep up */
   /* Counted over the whole run. */
   uint64_t sequences_total, sequences_failed, forward_errors;
   uint32_t connect_retries; /* hellos answered UNAVAILABLE on new connections, retried */

@@ -60,6 +60,10 @@ void da_report_print(FILE *f, const da_load_cfg *cfg, const da_workload *w,
   row(f, "  decode (us)", &res->fwd_decode, us);
   row(f, "ttft (ms)", &res->ttft, ms);
   row(f, "tpot (ms)", &res->tpot, ms);
+  if (cfg->mode == DA_LOAD_OPEN) row(f, "start lag (ms)", &res->start_lag, ms);
+  if (cfg->mode == DA_LOAD_OPEN && da_hist_quantile(&res->start_lag, 0.5) > 1000000)
+    fprintf(f, "note: sequences started late (all %" PRIu32 " in flight: --max-inflight); the lag"
+            " is in the latencies above\n", cfg->max_inflight);
   fprintf(f, "\nthroughput: %.1f tokens/s (%.1f output tokens/s), %.1f Forward/s, %.2f seq/s"
           " over %.2f s (after %.1f s warmup)\n", res->tokens_per_s, res->output_tokens_per_s,
           res->forwards_per_s, res->sequences_per_s, res->elapsed_s, cfg->warmup_s);
@@ -187,6 +191,7 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
   hist_json(root, "decode_latency_us", &res->fwd_decode, us);
   hist_json(root, "ttft_ms", &res->ttft, ms);
   hist_json(root, "tpot_ms", &res->tpot, ms);
+  if (cfg->mode == DA_LOAD_OPEN) hist_json(root, "start_lag_ms", &res->start_lag, ms);
   if (res->first_error_status) cJSON_AddStringToObject(root, "first_error", res->first_error);
   cJSON_AddNumberToObject(root, "connect_retries", res->connect_retries);
   if (res->have_stats) {
