@@ -253,6 +253,7 @@ START_TEST(open_loop_with_warmup_verifies_every_output) {
   cJSON *j = load_json("open.json");
   double run = num(j, "sequences_run"), measured = num(j, "sequences");
   ck_assert(run > 0 && measured <= run);
+  ck_assert(num(obj(j, "start_lag_ms"), "count") == measured);
   ck_assert(num(j, "forward_calls") > 0);
   ck_assert(num(j, "outputs_compared") > 0);
   ck_assert_uint_eq((uint64_t)num(j, "mismatches"), 0);
