@@ -147,7 +147,7 @@ int da_kvcache_fork(da_kvcache *kv, uint32_t src, uint32_t *seq_out) {
   if (seq_out == NULL) return fail(kv, DETATTN_INVALID_ARGUMENT, "fork: seq_out is NULL");
   const seq *from = find_seq(kv, src);
   if (from == NULL) return fail(kv, DETATTN_NOT_FOUND, "fork: sequence %u is not open", src);
-  uint32_t id;
+  uint32_t id = 0;
   int rv = slot_get(kv, &id);
   if (rv != 0) return rv;
   seq *to = &kv->seqs[id];

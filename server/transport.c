@@ -1,14 +1,17 @@
 #include "transport.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "log.h"
 
@@ -41,6 +44,7 @@ struct da_transport {
    * nng_ctx_recv) is the order in which they get messages. Their callbacks may run in any
    * order on nng's threads; completed receives wait in slots until every earlier ticket is
    * delivered. At most n_ctxs tickets are outstanding. */
+  int lock_fd; /* ipc: flock on <path>.lock held while we serve the path, else -1 */
   pthread_mutex_t arm_mu; /* recursive: nng may complete a receive inside nng_ctx_recv */
   uint64_t arm_ticket, deliver_ticket;
   da_event **slots;
@@ -173,6 +177,29 @@ fail:
   return DETATTN_UNAVAILABLE;
 }
 
+/* An ipc path is served by one daemon at a time. A second listener on a live path would
+ * connect to the first daemon while probing the path, and nng 1.5.2 then stops the first
+ * one from accepting (nng issue #1518); so take an exclusive lock on <path>.lock first and
+ * fail fast while another daemon holds it. */
+static int lock_ipc(const char *url, int *fd_out, char *err, size_t errlen) {
+  *fd_out = -1;
+  if (strncmp(url, "ipc://", 6) != 0) return 0;
+  char path[620];
+  snprintf(path, sizeof(path), "%s.lock", url + 6);
+  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    snprintf(err, errlen, "cannot open lock file %s: %s", path, strerror(errno));
+    return DETATTN_UNAVAILABLE;
+  }
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    snprintf(err, errlen, "cannot listen on %s: another detattnd holds %s", url, path);
+    close(fd);
+    return DETATTN_UNAVAILABLE;
+  }
+  *fd_out = fd;
+  return 0;
+}
+
 /* For tcp://host:0, the port the listener bound. */
 static void resolve_url(da_transport *t, nng_listener l, const char *url) {
   snprintf(t->url, sizeof(t->url), "%s", url);
@@ -202,7 +229,9 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_RECURSIVE);
   pthread_mutex_init(&t->arm_mu, &ma);
   pthread_mutexattr_destroy(&ma);
+  t->lock_fd = -1;
   if ((rv = make_ipc_dir(cfg->url, err, errlen)) != 0) goto fail_sock;
+  if ((rv = lock_ipc(cfg->url, &t->lock_fd, err, errlen)) != 0) goto fail_sock;
   if ((rv = nng_rep0_open(&t->sock)) != 0) {
     snprintf(err, errlen, "nng_rep0_open: %s", nng_strerror(rv));
     rv = DETATTN_INTERNAL;
@@ -254,6 +283,7 @@ fail_listen:
 fail_ctxs:
   nng_close(t->sock);
 fail_sock:
+  if (t->lock_fd >= 0) close(t->lock_fd);
   pthread_mutex_destroy(&t->arm_mu);
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);
@@ -337,6 +367,7 @@ void da_transport_close(da_transport *t, int wait_ms) {
   for (int i = 0; i < t->n_ctxs; i++)
     if (t->slots[i] != NULL && t->slots[i] != &no_event) da_transport_event_free(t->slots[i]);
   free(t->slots);
+  if (t->lock_fd >= 0) close(t->lock_fd);
   pthread_mutex_destroy(&t->arm_mu);
   pthread_cond_destroy(&t->cv);
   pthread_mutex_destroy(&t->mu);

@@ -493,6 +493,41 @@ START_TEST(forward_output_matches_the_fp64_reference) {
 }
 END_TEST
 
+START_TEST(second_daemon_on_the_same_ipc_path_fails_and_the_first_keeps_serving) {
+  char log2[320];
+  snprintf(log2, sizeof(log2), "%s/second.log", dir);
+  pid_t p2 = fork();
+  ck_assert_int_ge(p2, 0);
+  if (p2 == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    FILE *f = freopen(log2, "w", stderr);
+    (void)f;
+    execl(daemon_path, daemon_path, "--listen", url, "--backend", "cpu", "--threads", "1", "--layers", "2",
+          "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--kv-tokens", "1024", (char *)NULL);
+    _exit(127);
+  }
+  int st = 0;
+  for (int i = 0; i < 500 && waitpid(p2, &st, WNOHANG) != p2; i++) usleep(10000);
+  if (kill(p2, 0) == 0) {
+    kill(p2, SIGKILL);
+    waitpid(p2, &st, 0);
+    ck_abort_msg("a second detattnd on %s kept running", url);
+  }
+  ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) != 0, "second detattnd should fail to start");
+  char line[512];
+  int said = 0;
+  FILE *f = fopen(log2, "r");
+  while (f && fgets(line, sizeof(line), f))
+    if (strstr(line, "another detattnd holds")) said = 1;
+  if (f) fclose(f);
+  ck_assert_msg(said, "second detattnd did not say why it failed (see %s)", log2);
+  /* The first daemon still accepts new connections. */
+  nng_socket s = dial();
+  hello_ok(s);
+  nng_close(s);
+}
+END_TEST
+
 START_TEST(sigterm_answers_everything_sent_then_exits_zero) {
   /* Four full-size forwards pipelined on four contexts; SIGTERM as soon as the first is
    * answered. Every request gets an answer: OK if the daemon had taken it, else
@@ -576,6 +611,7 @@ int main(int argc, char **argv) {
   tcase_add_test(tc, dropped_connection_closes_its_sequences);
   tcase_add_test(tc, truncate_waits_for_the_forward_sent_before_it);
   tcase_add_test(tc, forward_output_matches_the_fp64_reference);
+  tcase_add_test(tc, second_daemon_on_the_same_ipc_path_fails_and_the_first_keeps_serving);
   tcase_add_test(tc, sigterm_answers_everything_sent_then_exits_zero);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
