@@ -45,6 +45,11 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+__device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
+}
 __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -98,25 +103,40 @@ __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_at
   return ri;
 }
 
-template <int D, bool BF16>
-__global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a) {
-  constexpr int NTD = D / 8;   /* n8 fragments over head_dim */
-  constexpr int CH = D / 8;    /* 16-byte chunks per row */
+/*
+ * SPLIT = false: 4 warps, each owns 16 rows of the 64-row block and every key and column.
+ * SPLIT = true (blocks of at most 16 rows: decode): NW = 8 warps share the 16 rows; warp w
+ * computes S for keys [8w, 8w + 8) of each tile and P.V for columns [w D/8, (w+1) D/8),
+ * exchanging row maxima, per-8-key sums and P through shared memory. Both run the same
+ * per-row arithmetic (numerics.cuh), so a row gives the same bits either way.
+ */
+template <int D, bool BF16, bool SPLIT>
+__global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : 1) attn_kernel(const da_cu_args a) {
+  constexpr int NW = SPLIT ? 8 : 4;
+  constexpr int NT = NW * 32;
+  constexpr int NTD = D / 8;            /* n8 fragments over head_dim */
+  constexpr int NV = SPLIT ? NTD / NW : NTD; /* output n8 fragments per warp */
+  constexpr int CH = D / 8;             /* 16-byte chunks per row */
   constexpr int TILE_B = BN * D * 2;
-  constexpr bool QREG = D <= 128; /* Q fragments stay in registers */
-  const int nst = a.stages;       /* 2 or 3 K/V stages */
+  constexpr int QROWS = SPLIT ? 16 : BM;
+  constexpr int XCH_B = SPLIT ? 4096 : 0; /* exchange buffers */
+  constexpr bool QREG = D <= 128;       /* Q fragments stay in registers */
+  const int nst = a.stages;             /* 2 or 3 K/V stages */
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char *qs = smem;
-  unsigned char *ks = smem + BM * D * 2;  /* [nst][BN][D] */
-  unsigned char *vs = ks + nst * TILE_B;  /* [nst][BN][D] */
-  float *fold = reinterpret_cast<float *>(vs + nst * TILE_B); /* [4][NTD][4][32], in-row only */
+  float *x_max = reinterpret_cast<float *>(qs + QROWS * D * 2); /* [NW][16] */
+  float *x_sum = x_max + NW * 16;                               /* [NW][16] */
+  uint32_t *x_p = reinterpret_cast<uint32_t *>(x_sum + NW * 16); /* [NW][32][2] */
+  unsigned char *ks = qs + QROWS * D * 2 + XCH_B; /* [nst][BN][D] */
+  unsigned char *vs = ks + nst * TILE_B;          /* [nst][BN][D] */
+  float *fold = reinterpret_cast<float *>(vs + nst * TILE_B); /* [NW][NV][4][32], in-row only */
 
   const da_cu_item it = a.items[blockIdx.x];
   const da_cu_attn at = a.attns[it.attn];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = a.n_q_heads / a.n_kv_heads;
   const int n_rows = at.n_q * G;
-  const int rlast = min(it.row0 + BM, n_rows) - 1;
+  const int rlast = min(it.row0 + QROWS, n_rows) - 1;
 
   /* The block's key range: [w0 of its first row, p of its last row]. */
   const int p_min = at.q_pos + it.row0 / G, p_max = at.q_pos + rlast / G;
@@ -135,7 +155,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
   /* Q rows of the block, zero-filled past the last row. */
   {
     const uint16_t *q = static_cast<const uint16_t *>(a.q) + at.q_off;
-    for (int i = tid; i < BM * CH; i += DA_CU_THREADS) {
+    for (int i = tid; i < QROWS * CH; i += NT) {
       const int r = i / CH, c = i % CH, gr = it.row0 + r;
       const bool ok = gr < n_rows;
       const int t = gr / G, h = it.kv_head * G + gr % G;
@@ -153,13 +173,14 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
   };
   auto load_tile = [&](int kt, int stage) {
     const uint32_t kd = smem_u32(ks + stage * TILE_B), vd = smem_u32(vs + stage * TILE_B);
-    for (int i = tid; i < BN * CH; i += DA_CU_THREADS) {
-      const int r = i / CH, c = i % CH, kp = kt * BN + r;
+#pragma unroll
+    for (int i = tid; i < BN * CH; i += NT) {
+      const int r = i / CH, c = i % CH;
       const int32_t pg = s_pg[stage][r];
       const uint16_t *ksrc = kv, *vsrc = kv;
       if (pg >= 0) {
         const int64_t off = (int64_t)pg * page_elems + kv_base +
-                            (int64_t)(kp & (a.page_tokens - 1)) * D + c * 8;
+                            (int64_t)((kt * BN + r) & (a.page_tokens - 1)) * D + c * 8;
         ksrc = kv + off;
         vsrc = kv + off + a.n_kv_heads * slab;
       }
@@ -175,31 +196,21 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
     cp_commit();
   }
 
-  /* Blocks of at most 16 rows (decode) are computed by all four warps together: warp w
-   * takes keys [16w, 16w + 16) of each tile for S and columns [w D/4, (w+1) D/4) for P.V,
-   * exchanging row maxima, group sums and P through shared memory. Larger blocks give each
-   * warp its own 16 rows. Both run the same per-row arithmetic (numerics.cuh). */
-  const bool split = n_rows - it.row0 <= 16;
   const int g = lane >> 2, qd = lane & 3;
-  const int rbase = split ? 0 : warp * 16;
+  const int rbase = SPLIT ? 0 : warp * 16;
   row_info ri[2];
   ri[0] = make_row(a, at, it.kv_head, it.row0 + rbase + g);
   ri[1] = make_row(a, at, it.kv_head, it.row0 + rbase + g + 8);
-  const bool warp_active = split || it.row0 + warp * 16 < n_rows;
+  const bool warp_active = SPLIT || it.row0 + warp * 16 < n_rows;
   const bool partial = at.slot_base >= 0;
-  const bool lse_writer = !split || warp == 0;
-  const int nv = split ? NTD / 4 : NTD; /* output n8 fragments this warp owns */
-  const int dcol0 = split ? warp * (NTD / 4) : 0;
-  /* Split-mode exchange buffers live in the Q rows a 16-row block does not use. */
-  float *x_max = reinterpret_cast<float *>(qs + 16 * D * 2); /* [4][16] */
-  float *x_sum = x_max + 64;                                 /* [4][16] */
-  uint32_t *x_p = reinterpret_cast<uint32_t *>(x_sum + 64);  /* [4][32][4] */
+  const bool lse_writer = !SPLIT || warp == 0;
+  const int dcol0 = SPLIT ? warp * NV : 0; /* first output n8 fragment of this warp */
 
   uint32_t qreg[QREG ? D / 16 : 1][4];
-  float acc[NTD][4];
+  float acc[NV][4];
   float fold_lse[2] = {0.0f, 0.0f};
   da_row_state st;
-  float *myfold = fold + warp * NTD * 4 * 32 + lane;
+  float *myfold = fold + warp * NV * 4 * 32 + lane;
 
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     const int i = kt - kt_begin, stage = i % nst;
@@ -220,66 +231,93 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
     if (kt == kt_begin || kt % tps == 0) {
       da_state_reset(st);
 #pragma unroll
-      for (int n = 0; n < NTD; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+      for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     }
     const uint32_t kb = smem_u32(ks + stage * TILE_B), vb = smem_u32(vs + stage * TILE_B);
     const uint32_t qb = smem_u32(qs);
+    /* A tile inside every row's key range needs no mask (the block is uniform). */
     const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
-    float alpha[2];
-    if (split) {
-      float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    if constexpr (SPLIT) {
+      float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t qa[4];
-        if constexpr (QREG) {
-          qa[0] = qreg[kk][0], qa[1] = qreg[kk][1], qa[2] = qreg[kk][2], qa[3] = qreg[kk][3];
-        } else {
-          ldsm_x4(qa, qb + swz<D>(lane & 15, kk * 2 + (lane >> 4)));
-        }
+      for (int kk = 0; kk < D / 16; kk += 2) {
         uint32_t kf[4];
-        ldsm_x4(kf, kb + swz<D>(warp * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
-        mma16816<BF16>(s[0], qa, kf[0], kf[1]);
-        mma16816<BF16>(s[1], qa, kf[2], kf[3]);
+        ldsm_x4(kf, kb + swz<D>(warp * 8 + (lane & 7), kk * 2 + (lane >> 3)));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          uint32_t qa[4];
+          if constexpr (QREG) {
+            qa[0] = qreg[kk + h][0], qa[1] = qreg[kk + h][1], qa[2] = qreg[kk + h][2], qa[3] = qreg[kk + h][3];
+          } else {
+            ldsm_x4(qa, qb + swz<D>(lane & 15, (kk + h) * 2 + (lane >> 4)));
+          }
+          mma16816<BF16>(s[0], qa, kf[2 * h], kf[2 * h + 1]);
+        }
       }
 #pragma unroll
-      for (int n = 0; n < 2; n++) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const row_info &r = ri[e >> 1];
-          const int kp = kt * BN + (2 * warp + n) * 8 + qd * 2 + (e & 1);
-          const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
-          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
-                       : -INFINITY;
-        }
+      for (int e = 0; e < 4; e++) {
+        const row_info &r = ri[e >> 1];
+        const int kp = kt * BN + warp * 8 + qd * 2 + (e & 1);
+        const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
+        s[0][e] = ok ? da_score(s[0][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2) : -INFINITY;
       }
 #pragma unroll
       for (int r = 0; r < 2; r++) {
-        const float mx = da_quad_max<2>(s, r);
+        const float mx = da_quad_max<1>(s, r);
         if (qd == 0) x_max[warp * 16 + g + 8 * r] = mx;
       }
       __syncthreads();
+      float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
-        const float mx = fmaxf(fmaxf(fmaxf(x_max[row], x_max[16 + row]), x_max[32 + row]), x_max[48 + row]);
+        float mx = x_max[row];
+#pragma unroll
+        for (int w = 1; w < NW; w++) mx = fmaxf(mx, x_max[w * 16 + row]);
         float m_use;
         alpha[r] = da_rescale(st, r, mx, m_use);
-        da_exp_row<2>(s, r, m_use);
-        const float gs = da_group_sum<2>(s, 0, r);
-        if (qd == 0) x_sum[warp * 16 + row] = gs;
+        da_exp_row<1>(s, r, m_use);
+        const float ps = da_ntile_sum<1>(s, 0, r);
+        if (qd == 0) x_sum[warp * 16 + row] = ps;
       }
-      uint4 pw;
+      uint2 pw;
       pw.x = pack2<BF16>(s[0][0], s[0][1]);
       pw.y = pack2<BF16>(s[0][2], s[0][3]);
-      pw.z = pack2<BF16>(s[1][0], s[1][1]);
-      pw.w = pack2<BF16>(s[1][2], s[1][3]);
-      reinterpret_cast<uint4 *>(x_p)[warp * 32 + lane] = pw;
+      reinterpret_cast<uint2 *>(x_p)[warp * 32 + lane] = pw;
       __syncthreads();
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         const int row = g + 8 * r;
-        const float parts[4] = {x_sum[row], x_sum[16 + row], x_sum[32 + row], x_sum[48 + row]};
+        float parts[BN / 8];
+#pragma unroll
+        for (int w = 0; w < NW; w++) parts[w] = x_sum[w * 16 + row];
         da_l_update(st, r, alpha[r], parts);
+      }
+#pragma unroll
+      for (int n = 0; n < NV; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+      }
+#pragma unroll
+      for (int kc = 0; kc < BN / 16; kc++) {
+        const uint2 p0 = reinterpret_cast<const uint2 *>(x_p)[(2 * kc) * 32 + lane];
+        const uint2 p1 = reinterpret_cast<const uint2 *>(x_p)[(2 * kc + 1) * 32 + lane];
+        const uint32_t pa[4] = {p0.x, p0.y, p1.x, p1.y};
+        if constexpr (NV == 1) {
+          uint32_t vf[2];
+          ldsm_x2_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dcol0));
+          mma16816<BF16>(acc[0], pa, vf[0], vf[1]);
+        } else {
+#pragma unroll
+          for (int dp = 0; dp < NV / 2; dp++) {
+            uint32_t vf[4];
+            ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dcol0 + dp * 2 + (lane >> 4)));
+            mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
+            mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
+          }
+        }
       }
     } else if (warp_active) {
       float s[NTS][4];
@@ -301,7 +339,6 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           mma16816<BF16>(s[2 * np + 1], qa, kf[2], kf[3]);
         }
       }
-      /* A tile inside every row's key range needs no mask (the block is uniform). */
       if (full) {
 #pragma unroll
         for (int n = 0; n < NTS; n++)
@@ -321,46 +358,19 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           }
         }
       }
+      float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         float m_use;
         alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
         da_exp_row<NTS>(s, r, m_use);
-        float parts[4];
+        float parts[NTS];
 #pragma unroll
-        for (int k = 0; k < 4; k++) parts[k] = da_group_sum<NTS>(s, 2 * k, r);
+        for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
         da_l_update(st, r, alpha[r], parts);
       }
 #pragma unroll
-      for (int kc = 0; kc < BN / 16; kc++) {
-        uint4 pw;
-        pw.x = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-        pw.y = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-        pw.z = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pw.w = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-        if (kc == 0) {
-          /* Scale once, before the first P.V step. */
-#pragma unroll
-          for (int n = 0; n < NTD; n++) {
-            acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-            acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-            acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-            acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-          }
-        }
-        const uint32_t pa[4] = {pw.x, pw.y, pw.z, pw.w};
-#pragma unroll
-        for (int dp = 0; dp < D / 16; dp++) {
-          uint32_t vf[4];
-          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
-          mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
-          mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
-        }
-      }
-    }
-    if (split) {
-#pragma unroll
-      for (int n = 0; n < NTD / 4; n++) {
+      for (int n = 0; n < NV; n++) {
         acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
         acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
         acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
@@ -368,12 +378,15 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
       }
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
-        const uint4 pw = reinterpret_cast<const uint4 *>(x_p)[kc * 32 + lane];
-        const uint32_t pa[4] = {pw.x, pw.y, pw.z, pw.w};
+        uint32_t pa[4];
+        pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
-        for (int dp = 0; dp < NTD / 8; dp++) {
+        for (int dp = 0; dp < D / 16; dp++) {
           uint32_t vf[4];
-          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), (dcol0 / 2 + dp) * 2 + (lane >> 4)));
+          ldsm_x4_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)));
           mma16816<BF16>(acc[2 * dp], pa, vf[0], vf[1]);
           mma16816<BF16>(acc[2 * dp + 1], pa, vf[2], vf[3]);
         }
@@ -390,8 +403,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           const int64_t slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
           float *dst = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
 #pragma unroll
-          for (int n = 0; n < NTD; n++) {
-            if (n >= nv) break;
+          for (int n = 0; n < NV; n++) {
             float2 v;
             v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
             v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
@@ -400,8 +412,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
           if (qd == 0 && lse_writer) a.acc_lse[slot] = lse_j;
         } else if (j == w.jf) {
 #pragma unroll
-          for (int n = 0; n < NTD; n++) {
-            if (n >= nv) break;
+          for (int n = 0; n < NV; n++) {
             myfold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
             myfold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
           }
@@ -409,8 +420,7 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
         } else {
           const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
 #pragma unroll
-          for (int n = 0; n < NTD; n++) {
-            if (n >= nv) break;
+          for (int n = 0; n < NV; n++) {
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; e++) {
               float *f = &myfold[(n * 4 + e) * 32];
@@ -435,32 +445,46 @@ __global__ void __launch_bounds__(DA_CU_THREADS) attn_kernel(const da_cu_args a)
     uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D +
                                                  dcol0 * 8 + qd * 2);
 #pragma unroll
-    for (int n = 0; n < NTD; n++) {
-      if (n >= nv) break;
+    for (int n = 0; n < NV; n++)
       dst[n * 4] = pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
-    }
     if (at.lse_off >= 0 && qd == 0 && lse_writer) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
 
-template <int D, bool BF16>
-cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
-  /* Three K/V stages where they fit beside the in-row fold buffer at two CTAs per SM;
-   * the stage count and buffers only move data, never the arithmetic. */
+/* Dynamic shared memory of one launch; the stage count and buffers only move data, never
+ * the arithmetic. Three K/V stages where they fit at two CTAs per SM. */
+template <int D, bool SPLIT>
+size_t smem_bytes(int stages, int inrow) {
+  const size_t q = (size_t)(SPLIT ? 16 : BM) * D * 2 + (SPLIT ? 4096 : 0);
+  const size_t fold = inrow ? (size_t)(D / 8) * 4 * 32 * 4 * (SPLIT ? 1 : 4) : 0;
+  return q + 2 * (size_t)stages * BN * D * 2 + fold;
+}
+
+template <int D, bool BF16, bool SPLIT>
+cudaError_t launch(const da_cu_args *a, int first, int n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
   da_cu_args g = *a;
-  g.stages = D == 256 || (D == 128 && a->has_inrow) ? 2 : 3;
-  const size_t fold = a->has_inrow ? (size_t)4 * (D / 8) * 4 * 32 * 4 : 0;
-  const size_t smem = (size_t)BM * D * 2 + 2 * (size_t)g.stages * BN * D * 2 + fold;
-  const size_t smem_max = (size_t)BM * D * 2 + 2 * (size_t)3 * BN * D * 2 + (size_t)4 * (D / 8) * 4 * 32 * 4;
+  g.items = a->items + first;
+  g.stages = D == 256 || (!SPLIT && D == 128 && a->has_inrow) ? 2 : 3;
+  const size_t smem = smem_bytes<D, SPLIT>(g.stages, a->has_inrow);
   static int configured = 0; /* per instantiation; the backend runs on one thread */
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)(smem_max < 232448 ? smem_max : 232448));
+    size_t mx = smem_bytes<D, SPLIT>(3, 1);
+    if (mx > 227 * 1024 - 1024) mx = 227 * 1024 - 1024; /* leave room for static s_pg */
+    cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16, SPLIT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mx);
     if (e != cudaSuccess) return e;
     configured = 1;
   }
-  attn_kernel<D, BF16><<<a->n_items, DA_CU_THREADS, smem, stream>>>(g);
+  attn_kernel<D, BF16, SPLIT><<<n, SPLIT ? 256 : 128, smem, stream>>>(g);
   return cudaGetLastError();
+}
+
+template <int D, bool BF16>
+cudaError_t launch_both(const da_cu_args *a, cudaStream_t stream) {
+  cudaError_t e = launch<D, BF16, false>(a, 0, a->n_items - a->n_split_items, stream);
+  if (e != cudaSuccess) return e;
+  return launch<D, BF16, true>(a, a->n_items - a->n_split_items, a->n_split_items, stream);
 }
 
 } // namespace
@@ -468,12 +492,12 @@ cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
 extern "C" int da_cuda_attn(const da_cu_args *a, cudaStream_t stream) {
   if (a->n_items == 0) return 0;
   switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
-  case 64 * 2 + 1: return (int)launch<64, true>(a, stream);
-  case 64 * 2: return (int)launch<64, false>(a, stream);
-  case 128 * 2 + 1: return (int)launch<128, true>(a, stream);
-  case 128 * 2: return (int)launch<128, false>(a, stream);
-  case 256 * 2 + 1: return (int)launch<256, true>(a, stream);
-  case 256 * 2: return (int)launch<256, false>(a, stream);
+  case 64 * 2 + 1: return (int)launch_both<64, true>(a, stream);
+  case 64 * 2: return (int)launch_both<64, false>(a, stream);
+  case 128 * 2 + 1: return (int)launch_both<128, true>(a, stream);
+  case 128 * 2: return (int)launch_both<128, false>(a, stream);
+  case 256 * 2 + 1: return (int)launch_both<256, true>(a, stream);
+  case 256 * 2: return (int)launch_both<256, false>(a, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

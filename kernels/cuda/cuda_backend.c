@@ -18,7 +18,7 @@
 #include "cuda_backend.h"
 #include "cuda_kernels.h"
 
-#define KERNEL_VERSION 1u
+#define KERNEL_VERSION 2u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
 #define ALIGN 256
@@ -65,6 +65,7 @@ static int cuda_fail(cuda_ctx *c, cudaError_t e, const char *what, int line, cha
                      size_t errlen) {
   if (err != NULL && errlen > 0)
     snprintf(err, errlen, "cuda: %s failed (line %d): %s", what, line, cudaGetErrorString(e));
+  (void)cudaGetLastError(); /* a non-sticky error must not resurface at the next launch */
   if (c != NULL && sticky(e)) {
     c->dead = 1;
     return DETATTN_UNAVAILABLE;
@@ -401,19 +402,28 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   uint16_t *kvs = (uint16_t *)(h + pl->off_kvin);
   int64_t pt = 0, q = 0, o = 0, lse = 0, slot = 0, kvo = 0, n_it = 0, n_ci = 0;
 
-  /* In-row items first: they are the long ones, so they start in the first wave. */
-  for (int pass = 0; pass < 2; pass++) {
-    for (int i = 0; i < b->n_attns; i++) {
-      const da_attn *a = &b->attns[i];
-      if (pl->partial[i] != pass) continue;
-      for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
-        int j0, j1;
-        block_splits(c, a, S, r0, &j0, &j1);
-        for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
-          if (!pass) {
-            its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
-          } else {
-            for (int j = j0; j < j1; j++) its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + 1};
+  /* Items with blocks of more than 16 rows first (one launch), then those of at most 16
+   * rows (decode; the second launch); in each, in-row items first: they are the long
+   * ones, so they start in the first wave. */
+  int64_t n_split = 0;
+  for (int small = 0; small < 2; small++) {
+    for (int pass = 0; pass < 2; pass++) {
+      for (int i = 0; i < b->n_attns; i++) {
+        const da_attn *a = &b->attns[i];
+        const int64_t n_rows = (int64_t)a->n_q * G;
+        if (pl->partial[i] != pass) continue;
+        for (int64_t r0 = 0; r0 < n_rows; r0 += DA_CU_BLOCK_ROWS) {
+          if ((n_rows - r0 <= 16) != small) continue;
+          int j0, j1;
+          block_splits(c, a, S, r0, &j0, &j1);
+          for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
+            if (!pass) {
+              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
+              n_split += small;
+            } else {
+              for (int j = j0; j < j1; j++) its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + 1};
+              n_split += small ? j1 - j0 : 0;
+            }
           }
         }
       }
@@ -478,6 +488,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->o = dout + pl->off_o;
   g->lse = (float *)(dout + pl->off_lse);
   g->n_items = (int)pl->n_items, g->n_citems = (int)pl->n_citems, g->n_appends = b->n_appends;
+  g->n_split_items = (int)n_split;
   g->max_append_tokens = pl->max_append_tokens;
   g->n_layers = m->n_layers, g->n_q_heads = m->n_q_heads, g->n_kv_heads = m->n_kv_heads;
   g->head_dim = m->head_dim, g->page_tokens = P;

@@ -28,7 +28,6 @@ extern "C" {
 
 #define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
 #define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
-#define DA_CU_THREADS 128
 #define DA_CU_COMBINE_ROWS 1 /* rows per combine CTA */
 
 /* One attention request of the batch. Offsets are in elements of their buffer. */
@@ -75,6 +74,7 @@ typedef struct da_cu_args {
   void *o;                  /* staged outputs */
   float *lse;
   int n_items, n_citems, n_appends, max_append_tokens;
+  int n_split_items; /* the last n_split_items items have blocks of <= 16 rows */
   int n_layers, n_q_heads, n_kv_heads, head_dim, page_tokens, page_shift;
   int split_tokens, window, bf16;
   float scale_log2;   /* scale * log2(e); used without softcap */

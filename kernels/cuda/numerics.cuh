@@ -48,13 +48,13 @@ __device__ __forceinline__ void da_state_reset(da_row_state &st) {
 
 /*
  * The online-softmax tile update, in pieces so that a tile's keys may be computed by one
- * warp (prefill rows) or by four warps sharing 16 rows (decode rows) with the same bits.
+ * warp (prefill rows) or by eight warps sharing 16 rows (decode rows) with the same bits.
  * x[nt][e] holds scores of this thread's rows in m16n8 accumulator fragments: row g for e in
  * {0, 1}, row g + 8 for e in {2, 3}; -inf where masked. For each row r of a tile:
  *   mx = max over the tile (da_quad_max per warp; max is exact, so any grouping agrees),
  *   alpha = da_rescale(state, r, mx, m_use), x = da_exp_row (p = exp2(x - m_use)),
- *   g[k] = da_group_sum over keys [16k, 16k + 16) (a fixed order inside, then the quad
- *   butterfly xor 1, xor 2), l = alpha * l + (((g0 + g1) + g2) + g3) (da_l_update),
+ *   g[k] = da_ntile_sum over keys [8k, 8k + 8) (the thread's pair, then the quad butterfly
+ *   xor 1, xor 2), l = alpha * l + the left fold of g0 .. g7 (da_l_update),
  *   and the caller scales its output accumulator by alpha before adding p.V.
  * A fully masked tile leaves (m, l) bit-identical with alpha = 1 (or 0 with l = 0 before
  * any key) and p = 0.
@@ -87,18 +87,18 @@ __device__ __forceinline__ void da_exp_row(float (&x)[NT][4], int r, float m_use
 }
 
 template <int NT>
-__device__ __forceinline__ float da_group_sum(const float (&x)[NT][4], int n0, int r) {
-  float s = x[n0][2 * r];
-  s = __fadd_rn(s, x[n0][2 * r + 1]);
-  s = __fadd_rn(s, x[n0 + 1][2 * r]);
-  s = __fadd_rn(s, x[n0 + 1][2 * r + 1]);
+__device__ __forceinline__ float da_ntile_sum(const float (&x)[NT][4], int n, int r) {
+  float s = __fadd_rn(x[n][2 * r], x[n][2 * r + 1]);
   s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
   s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
   return s;
 }
 
-__device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&g)[4]) {
-  const float sum = __fadd_rn(__fadd_rn(__fadd_rn(g[0], g[1]), g[2]), g[3]);
+/* l = alpha * l + (((g0 + g1) + g2) + ... + g7), g_k the sum over keys [8k, 8k + 8). */
+__device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&g)[8]) {
+  float sum = g[0];
+#pragma unroll
+  for (int k = 1; k < 8; k++) sum = __fadd_rn(sum, g[k]);
   st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), sum);
 }
 
