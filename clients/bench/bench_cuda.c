@@ -15,9 +15,8 @@
 #include <string.h>
 
 #include "backend.h"
+#include "bench.h"
 #include "cuda_backend.h"
-
-int da_bench_cuda(int argc, char **argv);
 
 typedef struct shape {
   const char *kind;
@@ -170,7 +169,3 @@ out:
   if (ctx != NULL) da_cuda_backend_ops.destroy(ctx);
   return rv;
 }
-
-#ifdef DA_BENCH_CUDA_MAIN
-int main(int argc, char **argv) { return da_bench_cuda(argc, argv); }
-#endif

@@ -26,21 +26,19 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   [ $rc -ne 0 ] && grep -E "test_cuda.c:[0-9]+|ERROR|Invalid|error" "$OUT/ctest.log" | head -30
 fi
 if [ "$what" != tests ]; then
-  cc -O2 -std=c11 -D_GNU_SOURCE -DDETATTN_HAVE_CUDA -DDA_BENCH_CUDA_MAIN -Ikernels -Ikernels/cuda \
-    -Iplugin/include -I/usr/local/cuda/include clients/bench/bench_cuda.c build-gpu/lib/libda_kernels.a \
-    build-gpu/lib/libda_cuda.a build-gpu/lib/libda_core.a -L/usr/local/cuda/lib64 -lcudart \
-    $(pkg-config --libs libxxhash) -lm -lpthread -lstdc++ -o build-gpu/bench_cuda || exit 1
+  cmake --build build-gpu --target detattn-bench -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -20; exit 1; }
+  BENCH="build-gpu/bin/detattn-bench --backend cuda"
   bqs=""; [ "$quick" = --quick ] && bqs=--quick
   if [ "$what" = profile ]; then
-    build-gpu/bench_cuda --quick --decode-only --contiguous 2>&1 | tee "$OUT/contig.csv"
+    $BENCH --quick --decode-only --contiguous 2>&1 | tee "$OUT/contig.csv"
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
       --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      build-gpu/bench_cuda --one-decode 8 16384 > "$OUT/ncu.txt" 2>&1
+      $BENCH --one-decode 8 16384 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu.txt" | grep -E "[0-9]" | head -80
     exit 0
   fi
-  build-gpu/bench_cuda $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
+  $BENCH $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
   python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
     > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
   cat "$OUT/ours.csv"
