@@ -22,19 +22,6 @@ static const bench_shape quick_shapes[] = {
     {BENCH_DECODE, 8, 4096}, {BENCH_PREFILL, 1, 512},
 };
 
-typedef struct bench_path {
-  const char *backend;
-  bench_path_fn run;
-} bench_path;
-
-/* Backends with a path of their own; any other backend uses bench_backend_path. */
-static const bench_path paths[] = {
-#if defined(DETATTN_HAVE_CUDA) && defined(DETATTN_BENCH_CUDA)
-    {"cuda", bench_cuda_path},
-#endif
-    {NULL, NULL},
-};
-
 void bench_rates(const bench_opts *o, const bench_shape *s, bench_result *r) {
   const double sec = r->ms * 1e-3;
   const double b = s->batch, l = s->ctx, d = o->model.head_dim;
@@ -156,7 +143,10 @@ done:
 static void usage(FILE *f) {
   fprintf(f,
           "usage: detattn-bench [options]\n"
-          "  --backend NAME     cpu, cuda or auto (default cpu)\n"
+          "  --backend NAME     cpu, cuda or auto (default cpu); in CUDA builds, --backend cuda\n"
+          "                     runs the CUDA kernel benchmark (bench_cuda.c) with the other\n"
+          "                     options passed to it, unless --generic is given\n"
+          "  --generic          time the backend through kernels/backend.h (any backend)\n"
           "  --quick            a small shape set, short timing (about 20 s on 2 cores)\n"
           "  --threads N        CPU worker threads (default: all online CPUs)\n"
           "  --split-mode M     auto, inrow or partial (default auto)\n"
@@ -187,7 +177,40 @@ static int parse_shape(const char *s, bench_shape *out) {
   return 0;
 }
 
+/* In CUDA builds, "--backend cuda" without --generic hands the other arguments to the
+ * CUDA kernel benchmark. Returns -1 when that does not apply. */
+static int run_cuda_kernels(int argc, char **argv) {
+#if defined(DETATTN_HAVE_CUDA) && defined(DETATTN_BENCH_CUDA)
+  int cuda = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--generic") == 0) return -1;
+    if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc && strcmp(argv[i + 1], "cuda") == 0)
+      cuda = 1;
+  }
+  if (!cuda) return -1;
+  char **rest = calloc((size_t)argc + 1, sizeof(char *));
+  if (rest == NULL) return 1;
+  int n = 0;
+  for (int i = 0; i < argc; i++) {
+    if (strcmp(argv[i], "--backend") == 0 && i + 1 < argc) {
+      i++;
+      continue;
+    }
+    rest[n++] = argv[i];
+  }
+  int rv = da_bench_cuda(n, rest);
+  free(rest);
+  return rv;
+#else
+  (void)argc;
+  (void)argv;
+  return -1;
+#endif
+}
+
 int main(int argc, char **argv) {
+  const int cuda_rv = run_cuda_kernels(argc, argv);
+  if (cuda_rv >= 0) return cuda_rv;
   bench_opts o = {.backend = "cpu",
                   .model = {.n_layers = 1, .n_q_heads = 32, .n_kv_heads = 8, .head_dim = 128,
                             .dtype = DA_BF16},
@@ -209,6 +232,8 @@ int main(int argc, char **argv) {
       return 0;
     } else if (strcmp(a, "--quick") == 0) {
       quick = 1;
+      continue;
+    } else if (strcmp(a, "--generic") == 0) {
       continue;
     } else if (val == NULL) {
       bad = 1;
@@ -267,9 +292,6 @@ int main(int argc, char **argv) {
   const int n_shapes = n_user ? n_user
                        : quick ? (int)(sizeof(quick_shapes) / sizeof(quick_shapes[0]))
                                : (int)(sizeof(default_shapes) / sizeof(default_shapes[0]));
-  bench_path_fn path = bench_backend_path;
-  for (const bench_path *p = paths; p->backend != NULL; p++)
-    if (strcmp(p->backend, o.backend) == 0) path = p->run;
 
   struct utsname un;
   time_t now = time(NULL);
@@ -289,7 +311,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < n_shapes; i++) {
     const bench_shape *s = &shapes[i];
     bench_result r = {0};
-    int rv = path(&o, s, &r);
+    int rv = bench_backend_path(&o, s, &r);
     const char *kind = s->kind == BENCH_DECODE ? "decode" : "prefill";
     if (rv != 0) {
       printf("%-8s %4d %6d  failed: %s: %s\n", kind, s->batch, s->ctx, detattn_status_name(rv), r.err);

@@ -2,11 +2,12 @@
  * bench.h — detattn-bench, the kernel benchmark: a table of attention shapes (decode and
  * prefill at a small default model) timed on a backend after warm-up.
  *
- * A path runs one shape and fills a bench_result. The generic path (bench.c) drives any
- * backend through kernels/backend.h, so it times what the daemon's worker sees: appends,
- * attention and, on device backends, staging copies. A backend may add its own path (for
- * example bench_cuda.c, compiled when it exists and CUDA is built, defining
- * DETATTN_BENCH_CUDA) that times kernels alone; it registers in bench.c's path table.
+ * bench_backend_path (bench.c) drives any backend through kernels/backend.h, so it times
+ * what the daemon's worker sees: appends, attention and, on device backends, staging
+ * copies. In CUDA builds bench_cuda.c adds da_bench_cuda, the CUDA kernel benchmark
+ * (kernels timed with CUDA events, inputs already on the device, its own shape table and
+ * CSV output): `detattn-bench --backend cuda [its options]` runs it, and
+ * `--backend cuda --generic` runs the CUDA backend through bench_backend_path instead.
  */
 #ifndef DA_BENCH_H
 #define DA_BENCH_H
@@ -46,15 +47,13 @@ typedef struct bench_result {
   char err[256];
 } bench_result;
 
-/* Runs one shape; 0 or a DETATTN_* status with a message in out->err. */
-typedef int (*bench_path_fn)(const bench_opts *o, const bench_shape *s, bench_result *out);
-
-/* The generic path: any backend through da_backend_open(o->backend). */
+/* Runs one shape on any backend through da_backend_open(o->backend); 0 or a DETATTN_*
+ * status with a message in out->err. */
 int bench_backend_path(const bench_opts *o, const bench_shape *s, bench_result *out);
 
 #if defined(DETATTN_HAVE_CUDA) && defined(DETATTN_BENCH_CUDA)
-/* Kernel-only CUDA timing, in bench_cuda.c. */
-int bench_cuda_path(const bench_opts *o, const bench_shape *s, bench_result *out);
+/* The CUDA kernel benchmark (bench_cuda.c); takes its own options, returns an exit code. */
+int da_bench_cuda(int argc, char **argv);
 #endif
 
 /* Fills the derived rates of r from its ms and the shape. */
