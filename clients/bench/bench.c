@@ -298,9 +298,10 @@ int main(int argc, char **argv) {
   char date[32];
   strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
   const long online = sysconf(_SC_NPROCESSORS_ONLN);
-  printf("# detattn-bench %s  backend %s  host %s  threads %d (%ld CPUs online)\n", date,
-         o.backend, uname(&un) == 0 ? un.machine : "?", o.n_threads ? o.n_threads : (int)online,
-         online);
+  printf("# detattn-bench %s  backend %s  host %s  %ld CPUs online", date, o.backend,
+         uname(&un) == 0 ? un.machine : "?", online);
+  if (strcmp(o.backend, "cpu") == 0) printf("  threads %d", o.n_threads ? o.n_threads : (int)online);
+  printf("\n");
   printf("# model Hq=%d Hkv=%d d=%d %s  page %d  S=%d T=%d  split mode %s\n", o.model.n_q_heads,
          o.model.n_kv_heads, o.model.head_dim, da_dtype_name(o.model.dtype), o.page_tokens,
          o.num.split_tokens, o.num.tile_tokens,
