@@ -111,7 +111,8 @@ __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_at
  * per-row arithmetic (numerics.cuh), so a row gives the same bits either way.
  */
 template <int D, bool BF16, bool SPLIT>
-__global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : 1) attn_kernel(const da_cu_args a) {
+__global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : (D == 64 ? 3 : (D == 128 ? 2 : 1)))
+attn_kernel(const da_cu_args a) {
   constexpr int NW = SPLIT ? 8 : 4;
   constexpr int NT = NW * 32;
   constexpr int NTD = D / 8;            /* n8 fragments over head_dim */
@@ -215,11 +216,13 @@ __global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : 1) attn_kernel(
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     const int i = kt - kt_begin, stage = i % nst;
     const int32_t pg_next = page_of(kt + nst);
+    /* Tile kt has landed; after the barrier every warp is done with iteration kt - 1, so
+     * its stage and the exchange buffers are free: the barrier also ends that iteration. */
+    if (nst == 3) cp_wait<1>();
+    else cp_wait<0>();
+    __syncthreads();
     if (kt + nst - 1 <= kt_end) load_tile(kt + nst - 1, (i + nst - 1) % nst);
     cp_commit();
-    if (nst == 3) cp_wait<2>();
-    else cp_wait<1>();
-    __syncthreads();
     if constexpr (QREG) {
       if (kt == kt_begin && warp_active) {
 #pragma unroll
@@ -431,9 +434,9 @@ __global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : 1) attn_kernel(
         }
       }
     }
-    /* Tile kt's page ids (this stage's slot) were consumed when its copies were issued. */
+    /* Tile kt's page ids (this stage's slot) were consumed when its copies were issued;
+     * the slot is next read after the following iteration's barrier. */
     if (tid < BN) s_pg[stage][tid] = pg_next;
-    __syncthreads();
   }
 
   if (partial || !warp_active) return;
