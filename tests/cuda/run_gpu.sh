@@ -22,7 +22,7 @@ echo "da_cuda build (16 jobs): $(python3 -c "print(round($t1 - $t0, 1))") s" | t
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ctest --test-dir build-gpu -L gpu -V > "$OUT/ctest.log" 2>&1 || rc=1
-  grep -E "tests passed|Test +#|Failed|Skipped|Checks|seed" "$OUT/ctest.log" | tail -20 | tee -a "$OUT/summary.txt"
+  grep -E "tests passed|Test +#|Failed|Skipped|Checks|seed|accuracy cfg" "$OUT/ctest.log" | tail -20 | tee -a "$OUT/summary.txt"
   [ $rc -ne 0 ] && grep -E "test_cuda.c:[0-9]+|ERROR|Invalid|error" "$OUT/ctest.log" | head -30
 fi
 if [ "$what" != tests ]; then
