@@ -130,14 +130,14 @@ START_TEST(matches_fp64_reference) {
   const size_t no = (size_t)n * c->hq * c->d;
   double e = da_test_rel_err(c->dt, o, ro, no);
   double el = da_test_max_abs_err_f32(lse, rl, (size_t)n * c->hq);
-  /* P is rounded to the input dtype for the tensor-core P.V (as in FlashAttention), so the
-   * bound is looser than the CPU backend's (which keeps P in fp32). */
-  double tol = c->dt == DA_BF16 ? 1e-2 : 2e-3;
+  /* The CPU backend's bounds (tests/kernels), although P is rounded to the input dtype for
+   * the tensor-core P.V. */
+  double tol = c->dt == DA_BF16 ? 4e-3 : 5e-4;
   printf("accuracy cfg %d (%s d%d hq%d hkv%d win%d cap%g): rel err %.2e (bound %.0e), lse max abs err %.2e\n",
          _i, da_dtype_name(c->dt), c->d, c->hq, c->hkv, c->window, (double)c->softcap, e, tol, el);
   ck_assert_msg(e <= tol, "cfg %d: o relative error %g > %g (seed %llu)", _i, e, tol,
                 (unsigned long long)g_seed);
-  ck_assert_msg(el <= 2e-3, "cfg %d: lse max error %g (seed %llu)", _i, el, (unsigned long long)g_seed);
+  ck_assert_msg(el <= 2e-5, "cfg %d: lse max error %g (seed %llu)", _i, el, (unsigned long long)g_seed);
   free(o), free(lse), free(ro), free(rl);
   seq_fini(&s);
   da_backend_close(be);
