@@ -333,7 +333,9 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_attns; i++)
     inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, DA_CU_BLOCK_ROWS) * m->n_kv_heads;
   int64_t slots_free = c->acc_bytes / ((size_t)(m->head_dim + 1) * 4);
-  const int64_t busy = 4 * (int64_t)c->n_sm;
+  /* In-row when it already gives about two resident CTAs per SM: measured faster than
+   * partials there (long CTAs, no combine); both give the same bits. */
+  const int64_t busy = 3 * (int64_t)c->n_sm / 2;
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
