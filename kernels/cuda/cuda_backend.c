@@ -8,6 +8,7 @@
  * attention, combine, D2H of the outputs. Staging is double-buffered: consecutive batches
  * alternate buffers, so a batch's host packing never waits for the previous copies.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -301,6 +302,7 @@ static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, 
 typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
+  int per; /* splits per partial item */
   int64_t inrow_rows, partial_rows;
   unsigned char *partial; /* per attn: 1 when run as partials */
   size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_q, off_kvin, in_bytes;
@@ -336,6 +338,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* In-row when it already gives about two resident CTAs per SM: measured faster than
    * partials there (long CTAs, no combine); both give the same bits. */
   const int64_t busy = 3 * (int64_t)c->n_sm / 2;
+  int64_t split_work = 0; /* (block, kv head, split) triples run as partials */
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -358,13 +361,33 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
       int j0, j1;
       block_splits(c, a, S, r0, &j0, &j1);
-      pl->n_items += (int64_t)m->n_kv_heads * (part ? j1 - j0 : 1);
+      if (part) split_work += (int64_t)m->n_kv_heads * (j1 - j0);
+      else pl->n_items += m->n_kv_heads;
     }
     if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
     if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
     pl->n_q_el += rows * m->head_dim;
     pl->n_o_el += rows * m->head_dim;
     if (a->lse != NULL) pl->n_lse += rows;
+  }
+  /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
+   * on its own (the bits do not depend on per): as few CTA start-ups as fill whole waves
+   * of two resident CTAs per SM. */
+  const int64_t slots = 2 * (int64_t)c->n_sm;
+  int64_t best = INT64_MAX;
+  pl->per = 1;
+  for (int per = 1; per <= 64 && split_work > 0; per++) {
+    const int64_t cost = ceil_div(ceil_div(split_work, per), slots) * per;
+    if (cost <= best) best = cost, pl->per = per;
+  }
+  for (int i = 0; i < b->n_attns; i++) {
+    const da_attn *a = &b->attns[i];
+    if (!pl->partial[i]) continue;
+    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
+      int j0, j1;
+      block_splits(c, a, S, r0, &j0, &j1);
+      pl->n_items += (int64_t)m->n_kv_heads * ceil_div(j1 - j0, pl->per);
+    }
   }
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
@@ -423,8 +446,10 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
               its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
               n_split += small;
             } else {
-              for (int j = j0; j < j1; j++) its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + 1};
-              n_split += small ? j1 - j0 : 0;
+              for (int j = j0; j < j1; j += pl->per) {
+                its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + pl->per < j1 ? j + pl->per : j1};
+                n_split += small;
+              }
             }
           }
         }
