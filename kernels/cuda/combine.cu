@@ -14,7 +14,6 @@ namespace {
 
 constexpr int THREADS = 128;
 constexpr int CHUNK = 512; /* splits whose weights are staged in shared memory at once */
-constexpr int BATCH = 16;  /* o_j loads in flight per thread */
 
 /*
  * One CTA per row. Thread 0 runs the row's lse chain (da_merge_weights, in ascending j) and
@@ -25,6 +24,7 @@ constexpr int BATCH = 16;  /* o_j loads in flight per thread */
 template <int D, bool BF16>
 __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
   constexpr int PER = D > THREADS ? D / THREADS : 1;
+  constexpr int BATCH = 64 / PER; /* o_j loads in flight per thread, twice over */
   __shared__ float s_lse[CHUNK], s_a[CHUNK], s_b[CHUNK], s_s[CHUNK];
   __shared__ float s_out_lse;
   const da_cu_citem ci = a.citems[blockIdx.x];
