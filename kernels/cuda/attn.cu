@@ -470,14 +470,18 @@ cudaError_t launch(const da_cu_args *a, int first, int n, cudaStream_t stream) {
   g.items = a->items + first;
   g.stages = D == 256 || (!SPLIT && D == 128 && a->has_inrow) ? 2 : 3;
   const size_t smem = smem_bytes<D, SPLIT>(g.stages, a->has_inrow);
-  static int configured = 0; /* per instantiation; the backend runs on one thread */
-  if (!configured) {
+  /* The shared-memory limit is a per-device function attribute: set once per device. */
+  static unsigned long long configured = 0;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev >= 64 || !(configured & (1ull << dev))) {
     size_t mx = smem_bytes<D, SPLIT>(3, 1);
     if (mx > 227 * 1024 - 1024) mx = 227 * 1024 - 1024; /* leave room for static s_pg */
-    cudaError_t e = cudaFuncSetAttribute(attn_kernel<D, BF16, SPLIT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)mx);
+    e = cudaFuncSetAttribute(attn_kernel<D, BF16, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             (int)mx);
     if (e != cudaSuccess) return e;
-    configured = 1;
+    if (dev < 64) configured |= 1ull << dev;
   }
   attn_kernel<D, BF16, SPLIT><<<n, SPLIT ? 256 : 128, smem, stream>>>(g);
   return cudaGetLastError();

@@ -219,6 +219,7 @@ fail:
 static void destroy(void *ctx) {
   if (ctx == NULL) return;
   cuda_ctx *c = ctx;
+  cudaSetDevice(c->cfg.device);
   cudaStreamSynchronize(c->stream);
   free_all(c);
 }
@@ -602,7 +603,10 @@ static int run(void *ctx, const da_batch *b, da_batch_result *res) {
     return DETATTN_UNAVAILABLE;
   }
   plan pl;
-  int rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &pl, err, errlen);
+  int rv = 0;
+  /* The current device is per host thread; run() may be called from a worker thread. */
+  CUDA_GOTO(c, cudaSetDevice(c->cfg.device), out);
+  rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &pl, err, errlen);
   if (rv != 0) return rv;
   const da_model *m = &c->cfg.model;
   unsigned char *hout = c->h_out[c->cur];
@@ -626,6 +630,7 @@ static int run(void *ctx, const da_batch *b, da_batch_result *res) {
   res->partial_rows = pl.partial_rows;
 fail:
   free(pl.partial);
+out:
   return rv;
 }
 
