@@ -5,8 +5,9 @@
  * the .cu files behind cuda_kernels.h.
  *
  * A batch runs on one stream: H2D of the staged inputs, page copies, appends, (poison),
- * attention, combine, D2H of the outputs. Staging is double-buffered: consecutive batches
- * alternate buffers, so a batch's host packing never waits for the previous copies.
+ * attention, combine, D2H of the outputs. Staging has two buffer sets that consecutive
+ * batches alternate; since run() blocks until its outputs are back, batches do not yet
+ * overlap (that needs a submit/wait split of the backend interface).
  */
 #include <stdint.h>
 #include <stdio.h>
