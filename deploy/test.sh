@@ -1,12 +1,13 @@
 #!/bin/bash
 # The test command: installs what is missing, builds everything (CUDA too when nvcc is
 # present), and runs the whole suite. GPU tests (label gpu) skip where no device is.
-# Usage: deploy/test.sh [build-dir]   (env DETATTN_SANITIZE=ON for ASan+UBSan)
+# Usage: deploy/test.sh [build-dir]
+# Environment: DETATTN_SANITIZE=ON builds with ASan+UBSan; DETATTN_CUDA=AUTO|ON|OFF.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 build=${1:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DDETATTN_SANITIZE="${DETATTN_SANITIZE:-OFF}" >/dev/null
+  -DDETATTN_SANITIZE="${DETATTN_SANITIZE:-OFF}" -DDETATTN_CUDA="${DETATTN_CUDA:-AUTO}" >/dev/null
 cmake --build "$build" -j "$(nproc)"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 600
