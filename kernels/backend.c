@@ -2,12 +2,17 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 struct da_backend {
   const da_backend_ops *ops;
   void *ctx;
   da_backend_cfg cfg;
   da_backend_info info;
+  /* Batches submitted and not yet finished, oldest first (for backends without submit,
+   * the queued batches that finish() runs). */
+  const da_batch *queued[DA_BACKEND_MAX_INFLIGHT];
+  int head, n_inflight;
 };
 
 static const da_backend_ops *const backends[] = {
@@ -69,8 +74,52 @@ void da_backend_close(da_backend *be) {
 int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res) {
   res->inrow_rows = res->partial_rows = 0;
   res->err[0] = '\0';
+  if (be->n_inflight > 0) {
+    snprintf(res->err, sizeof(res->err), "run() while %d submitted batches are in flight",
+             be->n_inflight);
+    return DETATTN_FAILED_PRECONDITION;
+  }
   return be->ops->run(be->ctx, b, res);
 }
 
 const da_backend_info *da_backend_get_info(const da_backend *be) { return &be->info; }
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be) { return &be->cfg; }
+
+static void res_clear(da_batch_result *res) {
+  res->inrow_rows = res->partial_rows = 0;
+  res->err[0] = '\0';
+}
+
+int da_backend_submit(da_backend *be, const da_batch *b, void (*ready)(void *arg), void *arg,
+                      da_batch_result *res) {
+  res_clear(res);
+  if (be->n_inflight >= DA_BACKEND_MAX_INFLIGHT) {
+    snprintf(res->err, sizeof(res->err), "%d batches already in flight; finish one first",
+             be->n_inflight);
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  if (be->ops->submit != NULL) {
+    int rv = be->ops->submit(be->ctx, b, ready, arg, res);
+    if (rv != 0) return rv;
+  }
+  be->queued[(be->head + be->n_inflight) % DA_BACKEND_MAX_INFLIGHT] = b;
+  be->n_inflight++;
+  if (be->ops->submit == NULL && ready != NULL) ready(arg);
+  return 0;
+}
+
+int da_backend_finish(da_backend *be, da_batch_result *res) {
+  res_clear(res);
+  if (be->n_inflight == 0) {
+    snprintf(res->err, sizeof(res->err), "no batch in flight");
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  const da_batch *b = be->queued[be->head];
+  be->queued[be->head] = NULL;
+  be->head = (be->head + 1) % DA_BACKEND_MAX_INFLIGHT;
+  be->n_inflight--;
+  if (be->ops->finish != NULL) return be->ops->finish(be->ctx, res);
+  return be->ops->run(be->ctx, b, res);
+}
+
+int da_backend_inflight(const da_backend *be) { return be->n_inflight; }

@@ -112,7 +112,31 @@ typedef struct da_backend_ops {
    * Returns DETATTN_INTERNAL (message in res->err) on a device failure; a sticky device
    * error returns DETATTN_UNAVAILABLE and every later call fails the same way. */
   int (*run)(void *ctx, const da_batch *b, da_batch_result *res);
+  /* Optional, present together with finish (device backends). Starts batch b and returns
+   * without waiting for the device: validates it, stages it into a free staging buffer set,
+   * and enqueues its copies, appends, attention and the copy-back of its outputs. At most
+   * DA_BACKEND_MAX_INFLIGHT batches are submitted and not yet finished; a further submit
+   * fails with DETATTN_FAILED_PRECONDITION. b, everything it points to and the da_attn
+   * output buffers must stay valid until finish() returns this batch's result. The device
+   * runs submitted batches in submission order, with the same kernels as run(), so the
+   * results are those of run() called in the same order. ready(arg), when not NULL, is
+   * called once the batch's device work has ended (finish() will then not wait for the
+   * device); it may run on a driver thread, before submit returns, and must only wake
+   * someone. On failure (res->err says why) nothing of b is in flight, ready is not
+   * called, and there is nothing to finish for it; a sticky device error returns
+   * DETATTN_UNAVAILABLE. Same thread rules as run(); run() must not be called while
+   * batches are in flight. */
+  int (*submit)(void *ctx, const da_batch *b, void (*ready)(void *arg), void *arg,
+                da_batch_result *res);
+  /* Optional, with submit. Waits for the oldest submitted batch, writes its outputs to the
+   * o and lse host pointers of its da_attn items and fills res; returns its status, as
+   * run() would have (DETATTN_INTERNAL or DETATTN_UNAVAILABLE with res->err on a device
+   * failure). DETATTN_FAILED_PRECONDITION when nothing is in flight. */
+  int (*finish)(void *ctx, da_batch_result *res);
 } da_backend_ops;
+
+/* Most batches submitted and not yet finished (staging buffer sets of a device backend). */
+#define DA_BACKEND_MAX_INFLIGHT 2
 
 extern const da_backend_ops da_cpu_backend_ops;
 #ifdef DETATTN_HAVE_CUDA
@@ -126,6 +150,16 @@ int da_backend_open(da_backend **out, const char *name, const da_backend_cfg *cf
                     size_t errlen);
 void da_backend_close(da_backend *be);
 int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res);
+/* Asynchronous pair with the contracts of ops.submit / ops.finish above, for every backend:
+ * where the backend has no submit, submit only queues b (and calls ready at once) and
+ * finish runs the oldest queued batch with run(). Either way results come back from
+ * finish in submission order. Not to be mixed with da_backend_run while batches are in
+ * flight. */
+int da_backend_submit(da_backend *be, const da_batch *b, void (*ready)(void *arg), void *arg,
+                      da_batch_result *res);
+int da_backend_finish(da_backend *be, da_batch_result *res);
+/* Batches submitted and not yet finished. */
+int da_backend_inflight(const da_backend *be);
 const da_backend_info *da_backend_get_info(const da_backend *be);
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be);
 

@@ -4,10 +4,19 @@
  * items, appends, page copies), the stream and its ordering, error handling. Kernels are in
  * the .cu files behind cuda_kernels.h.
  *
- * A batch runs on one stream: H2D of the staged inputs, page copies, appends, (poison),
- * attention, combine, D2H of the outputs. Staging has two buffer sets that consecutive
- * batches alternate; since run() blocks until its outputs are back, batches do not yet
- * overlap (that needs a submit/wait split of the backend interface).
+ * A batch: the host packs its inputs into a pinned staging buffer; H2D of that buffer on
+ * the copy stream; then on the compute stream (after an event for that copy): page copies,
+ * appends, (poison), attention, combine, D2H of the outputs, a host callback (ready) and
+ * the batch's done event. finish() waits for that event and unpacks the outputs into the
+ * caller's o / lse buffers.
+ *
+ * Staging has two buffer sets; consecutive batches alternate, and submit() lets two be in
+ * flight. What overlaps when batch N+1 is submitted while N runs: the host-side packing of
+ * N+1 (memcpy of q, k, v and page tables into pinned memory — the largest host cost) and
+ * its H2D (copy engine, copy stream) run during N's kernels; N's unpack on the host runs
+ * during N+1's kernels. The compute stream still runs every kernel in submission order,
+ * so results do not change; N+1's appends start only after N's attention has read the
+ * cache. run() is submit() then finish().
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -28,8 +37,9 @@
 typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
-  cudaStream_t stream;
-  cudaEvent_t ev[3];
+  cudaStream_t stream, copy;
+  cudaEvent_t ev[3];            /* bench timing */
+  cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
   void *kv;
   size_t kv_bytes;
   int64_t page_bytes;
@@ -41,6 +51,8 @@ typedef struct cuda_ctx {
   da_cu_args args;        /* the last prepared batch */
   size_t out_used;        /* bytes of d_out the last batch wrote */
   int64_t slots_used;
+  struct flight *fl;      /* [2] batches in flight, a ring */
+  int fl_head, fl_n;
   char arch[32];
 } cuda_ctx;
 
@@ -108,7 +120,13 @@ static void free_all(cuda_ctx *c) {
   cudaFree(c->kv);
   for (int i = 0; i < 3; i++)
     if (c->ev[i] != NULL) cudaEventDestroy(c->ev[i]);
+  for (int i = 0; i < 2; i++) {
+    if (c->ev_in[i] != NULL) cudaEventDestroy(c->ev_in[i]);
+    if (c->ev_done[i] != NULL) cudaEventDestroy(c->ev_done[i]);
+  }
   if (c->stream != NULL) cudaStreamDestroy(c->stream);
+  if (c->copy != NULL) cudaStreamDestroy(c->copy);
+  free(c->fl);
   free(c);
 }
 
@@ -137,6 +155,8 @@ static int check_cfg(const da_backend_cfg *cfg, char *err, size_t errlen) {
   return 0;
 }
 
+static struct flight *flights_alloc(void);
+
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
                   size_t errlen) {
   int rv = check_cfg(cfg, err, errlen);
@@ -153,6 +173,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     return DETATTN_RESOURCE_EXHAUSTED;
   }
   c->cfg = *cfg;
+  c->fl = flights_alloc();
+  if (c->fl == NULL) {
+    free(c);
+    snprintf(err, errlen, "cuda: out of host memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
   struct cudaDeviceProp prop;
   CUDA_GOTO(NULL, cudaSetDevice(cfg->device), fail);
   CUDA_GOTO(NULL, cudaGetDeviceProperties(&prop, cfg->device), fail);
@@ -174,7 +200,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
 
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), fail);
+  CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking), fail);
   for (int i = 0; i < 3; i++) CUDA_GOTO(NULL, cudaEventCreate(&c->ev[i]), fail);
+  for (int i = 0; i < 2; i++) {
+    CUDA_GOTO(NULL, cudaEventCreateWithFlags(&c->ev_in[i], cudaEventDisableTiming), fail);
+    CUDA_GOTO(NULL, cudaEventCreateWithFlags(&c->ev_done[i], cudaEventDisableTiming), fail);
+  }
   CUDA_GOTO(NULL, cudaMalloc(&c->kv, c->kv_bytes), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_o, (size_t)slots * m->head_dim * 4), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_lse, (size_t)slots * 4), fail);
@@ -217,11 +248,15 @@ fail:
   return rv;
 }
 
+static void flights_free(cuda_ctx *c);
+
 static void destroy(void *ctx) {
   if (ctx == NULL) return;
   cuda_ctx *c = ctx;
   cudaSetDevice(c->cfg.device);
+  cudaStreamSynchronize(c->copy);
   cudaStreamSynchronize(c->stream);
+  flights_free(c);
   free_all(c);
 }
 
@@ -569,13 +604,15 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
     rv = DETATTN_RESOURCE_EXHAUSTED;
     goto fail;
   }
-  c->cur ^= 1;
   unsigned char *h = c->h_in[c->cur], *d = c->d_in[c->cur];
-  /* The other buffer's last copies may still be in flight only if a run failed midway. */
-  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+  /* The set's previous batch was finished already (at most two in flight); the event also
+   * covers one whose submit failed midway. */
+  CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[c->cur]), fail);
   pack(c, b, S, pl, h, d, c->d_out[c->cur]);
   size_t h2d = bench ? pl->off_q : pl->in_bytes;
-  CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->stream), fail);
+  CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
+  CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
+  CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);
   if (bench && pl->n_q_el > 0)
     CUDA_GOTO(c, da_cuda_fill(d + pl->off_q, (size_t)pl->n_q_el, 1, c->args.bf16, q_seed, c->stream), fail);
   rv = run_copies(c, b, (const int32_t *)(d + pl->off_copy), err, errlen);
@@ -590,49 +627,133 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
   c->slots_used = pl->slots;
   return 0;
 fail:
+  /* Whatever was enqueued for this set completes before the set is used again. */
+  (void)cudaEventRecord(c->ev_done[c->cur], c->stream);
+  (void)cudaGetLastError();
   free(pl->partial);
   pl->partial = NULL;
   return rv;
 }
 
-static int run(void *ctx, const da_batch *b, da_batch_result *res) {
+/* ---- submit / finish ----------------------------------------------------------------- */
+
+/* A batch in flight: its plan (offsets of its outputs in h_out[set]) and where they go. */
+typedef struct flight {
+  const da_batch *b;
+  plan pl;
+  int set;
+  void (*ready)(void *arg);
+  void *arg;
+} flight;
+
+static struct flight *flights_alloc(void) { return calloc(2, sizeof(flight)); }
+
+static void flights_free(cuda_ctx *c) {
+  for (int i = 0; i < c->fl_n; i++) {
+    flight *f = &c->fl[(c->fl_head + i) % 2];
+    free(f->pl.partial);
+    f->pl.partial = NULL;
+  }
+  c->fl_n = 0;
+}
+
+/* Runs on a driver thread once the batch's outputs are on the host (or the stream failed). */
+static void CUDART_CB on_stream_ready(cudaStream_t s, cudaError_t status, void *p) {
+  (void)s;
+  (void)status;
+  flight *f = p;
+  f->ready(f->arg);
+}
+
+static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *arg,
+                  da_batch_result *res) {
   cuda_ctx *c = ctx;
   char *err = res->err;
   size_t errlen = sizeof(res->err);
+  int rv = 0;
   if (c->dead) {
     snprintf(err, errlen, "cuda: the device hit a sticky error earlier; backend unavailable");
     return DETATTN_UNAVAILABLE;
   }
-  plan pl;
-  int rv = 0;
-  /* The current device is per host thread; run() may be called from a worker thread. */
+  if (c->fl_n >= 2) {
+    snprintf(err, errlen, "cuda: two batches in flight already; finish one first");
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  /* The current device is per host thread; submit() may be called from a worker thread. */
   CUDA_GOTO(c, cudaSetDevice(c->cfg.device), out);
-  rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &pl, err, errlen);
+  flight *f = &c->fl[(c->fl_head + c->fl_n) % 2];
+  memset(f, 0, sizeof(*f));
+  c->cur = c->fl_n > 0 ? c->fl[c->fl_head].set ^ 1 : c->cur ^ 1;
+  rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &f->pl, err, errlen);
   if (rv != 0) return rv;
-  const da_model *m = &c->cfg.model;
-  unsigned char *hout = c->h_out[c->cur];
   CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
   CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
-  if (pl.out_bytes > 0)
-    CUDA_GOTO(c, cudaMemcpyAsync(hout, c->d_out[c->cur], pl.out_bytes, cudaMemcpyDeviceToHost, c->stream), fail);
-  CUDA_GOTO(c, cudaStreamSynchronize(c->stream), fail);
+  if (f->pl.out_bytes > 0)
+    CUDA_GOTO(c, cudaMemcpyAsync(c->h_out[c->cur], c->d_out[c->cur], f->pl.out_bytes,
+                                 cudaMemcpyDeviceToHost, c->stream), fail);
+  f->b = b;
+  f->set = c->cur;
+  f->ready = ready;
+  f->arg = arg;
+  /* The callback comes before the done event, so finish() returning means it has run. */
+  if (ready != NULL) CUDA_GOTO(c, cudaStreamAddCallback(c->stream, on_stream_ready, f, 0), fail);
+  CUDA_GOTO(c, cudaEventRecord(c->ev_done[c->cur], c->stream), fail);
+  c->fl_n++;
+  return 0;
+fail:
+  (void)cudaEventRecord(c->ev_done[c->cur], c->stream);
+  (void)cudaGetLastError();
+  free(f->pl.partial);
+  f->pl.partial = NULL;
+out:
+  return rv;
+}
+
+static int finish(void *ctx, da_batch_result *res) {
+  cuda_ctx *c = ctx;
+  char *err = res->err;
+  size_t errlen = sizeof(res->err);
+  int rv = 0;
+  if (c->fl_n == 0) {
+    snprintf(err, errlen, "cuda: no batch in flight");
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  flight *f = &c->fl[c->fl_head];
+  c->fl_head = (c->fl_head + 1) % 2;
+  c->fl_n--;
+  CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
+  CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[f->set]), fail);
+  const da_model *m = &c->cfg.model;
+  const unsigned char *hout = c->h_out[f->set];
+  const da_batch *b = f->b;
   int64_t o = 0, lse = 0;
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
-    memcpy(a->o, hout + pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
+    memcpy(a->o, hout + f->pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
     o += rows * m->head_dim;
     if (a->lse != NULL) {
-      memcpy(a->lse, hout + pl.off_lse + (size_t)lse * 4, (size_t)rows * 4);
+      memcpy(a->lse, hout + f->pl.off_lse + (size_t)lse * 4, (size_t)rows * 4);
       lse += rows;
     }
   }
-  res->inrow_rows = pl.inrow_rows;
-  res->partial_rows = pl.partial_rows;
+  res->inrow_rows = f->pl.inrow_rows;
+  res->partial_rows = f->pl.partial_rows;
 fail:
-  free(pl.partial);
-out:
+  free(f->pl.partial);
+  f->pl.partial = NULL;
   return rv;
+}
+
+static int run(void *ctx, const da_batch *b, da_batch_result *res) {
+  cuda_ctx *c = ctx;
+  if (c->fl_n > 0) {
+    snprintf(res->err, sizeof(res->err), "cuda: run() while %d batches are in flight", c->fl_n);
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  int rv = submit(ctx, b, NULL, NULL, res);
+  if (rv != 0) return rv;
+  return finish(ctx, res);
 }
 
 /* ---- bench hooks --------------------------------------------------------------------- */
@@ -658,7 +779,12 @@ int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64
     snprintf(err, errlen, "split_tokens %d is not a multiple of %d", S, DA_CU_TILE);
     return DETATTN_INVALID_ARGUMENT;
   }
+  if (c->fl_n > 0) {
+    snprintf(err, errlen, "cuda: bench prepare while %d batches are in flight", c->fl_n);
+    return DETATTN_FAILED_PRECONDITION;
+  }
   plan pl;
+  c->cur ^= 1;
   int rv = stage(c, b, S, 1, q_seed, &pl, err, errlen);
   if (rv != 0) return rv;
   res->inrow_rows = pl.inrow_rows;
@@ -707,4 +833,6 @@ const da_backend_ops da_cuda_backend_ops = {
     .create = create,
     .destroy = destroy,
     .run = run,
+    .submit = submit,
+    .finish = finish,
 };
