@@ -60,10 +60,16 @@ static const setting table[] = {
     {"staging-mib", T_INT, F(staging_mib), 0, 1 << 16, NULL, "0", "device backends: staging buffer MiB; 0: default"},
     {"device", T_INT, F(device), 0, 64, NULL, "0", "CUDA backend: device ordinal"},
     {"log-level", T_ENUM, F(log_level), 0, 0, "error|warn|info|debug", "info", "log level"},
+    {"fail-after-batches", T_INT, F(fail_after_batches), 0, 1 << 30, NULL, "0",
+     "for tests only: batch N (counting from 1) and every later one fail as an injected device "
+     "failure (UNAVAILABLE; the daemon answers them and exits 3); 0: off"},
     {"help", T_FLAG, F(help), 0, 0, NULL, "0", "print this help and exit"},
     {"print-config", T_FLAG, F(print_config), 0, 0, NULL, "0", "print an example config file with every setting and exit"},
 };
 #define N_SETTINGS (sizeof(table) / sizeof(table[0]))
+
+/* Settings for tests only: in --help, left out of --print-config's example file. */
+static int test_only(const setting *s) { return strcmp(s->name, "fail-after-batches") == 0; }
 
 static const setting *find(const char *name, size_t len) {
   for (size_t i = 0; i < N_SETTINGS; i++)
@@ -353,7 +359,7 @@ void da_config_example(FILE *f) {
           "; Every setting is listed at its default, commented out.\n");
   for (size_t i = 0; i < N_SETTINGS; i++) {
     const setting *s = &table[i];
-    if (s->type == T_FLAG || strcmp(s->name, "config") == 0) continue;
+    if (s->type == T_FLAG || strcmp(s->name, "config") == 0 || test_only(s)) continue;
     char b[64], en[64];
     bounds_text(s, b, sizeof(b));
     env_name(s, en, sizeof(en));

@@ -41,6 +41,7 @@ typedef struct da_config {
   /* resources */
   int threads, contexts, acc_slots, staging_mib, device;
   int log_level; /* da_log_level */
+  int fail_after_batches; /* tests: batch N and later fail as a device failure; 0: off */
   int help;         /* --help was given */
   int print_config; /* --print-config was given */
 } da_config;

@@ -81,8 +81,9 @@ typedef struct da_daemon {
   da_sched *sched;
   da_worker *worker;
   da_transport *tr;
-  da_sched_batch bufs[2];
-  da_sched_batch *running, *formed;
+  da_sched_batch bufs[DA_WORKER_MAX];
+  int buf_busy[DA_WORKER_MAX]; /* handed to the worker, not yet taken back */
+  int n_running;               /* batches in the worker */
   uint64_t batch_counter;
   client *buckets[N_BUCKETS];
   int n_clients;
@@ -623,13 +624,14 @@ static void submit(da_daemon *d, da_sched_batch *b) {
   summary_add(&d->batch_tokens, b->tokens);
   summary_add(&d->batch_requests, n_reqs);
   d->batches++;
-  d->running = b;
+  d->buf_busy[b - d->bufs] = 1;
+  d->n_running++;
   da_worker_submit(d->worker, &b->b, b);
 }
 
 static da_sched_batch *free_buf(da_daemon *d) {
-  for (int i = 0; i < 2; i++)
-    if (&d->bufs[i] != d->running && &d->bufs[i] != d->formed) return &d->bufs[i];
+  for (int i = 0; i < DA_WORKER_MAX; i++)
+    if (!d->buf_busy[i]) return &d->bufs[i];
   return NULL;
 }
 
@@ -644,16 +646,13 @@ static int form(da_daemon *d, da_sched_batch *b) {
 
 static void on_wait_timer(uv_timer_t *t) { kick(t->data); }
 
-/* Keeps the worker busy: submit the formed batch, or form one when the wait window allows;
- * while a batch runs, form the next one once a full batch is waiting. */
+/* Keeps the worker busy: when it is idle, form a batch as soon as the wait window allows;
+ * while one batch runs, form the next one once a full batch is waiting and hand it over at
+ * once, so that its staging overlaps the running batch's kernels (worker.h). */
 static void kick(da_daemon *d) {
   if (d->worker == NULL) return;
-  if (d->running == NULL) {
-    if (d->formed) {
-      da_sched_batch *b = d->formed;
-      d->formed = NULL;
-      submit(d, b);
-    } else if (da_sched_pending_tokens(d->sched) > 0) {
+  if (d->n_running == 0) {
+    if (da_sched_pending_tokens(d->sched) > 0) {
       uint64_t oldest = da_sched_oldest_ns(d->sched), now = da_now_ns();
       uint64_t wait_ns = (uint64_t)d->cfg->wait_us * 1000u;
       if (wait_ns > 0 && da_sched_pending_tokens(d->sched) < d->cfg->max_batch_tokens && !d->draining &&
@@ -667,9 +666,9 @@ static void kick(da_daemon *d) {
       if (b && form(d, b)) submit(d, b);
     }
   }
-  if (d->running && d->formed == NULL && da_sched_pending_tokens(d->sched) >= d->cfg->max_batch_tokens) {
+  if (d->n_running == 1 && da_sched_pending_tokens(d->sched) >= d->cfg->max_batch_tokens) {
     da_sched_batch *b = free_buf(d);
-    if (b && form(d, b)) d->formed = b;
+    if (b && form(d, b)) submit(d, b);
   }
 }
 
@@ -683,30 +682,38 @@ static void fail_batch(da_daemon *d, da_sched_batch *b, int code, const char *wh
   }
 }
 
-static void on_batch_done(uv_async_t *h) {
-  da_daemon *d = h->data;
-  void *tag;
-  int status;
-  da_batch_result res;
-  uint64_t run_ns;
-  if (!da_worker_take(d->worker, &tag, &status, &res, &run_ns)) return;
-  da_sched_batch *b = tag;
-  d->running = NULL;
+/* One finished batch back from the worker: count it or fail its requests, and answer the
+ * requests it completes. */
+static void batch_done(da_daemon *d, da_sched_batch *b, int status, const da_batch_result *res) {
+  d->buf_busy[b - d->bufs] = 0;
+  d->n_running--;
   if (status == 0) {
-    d->inrow_rows += (uint64_t)res.inrow_rows;
-    d->partial_rows += (uint64_t)res.partial_rows;
+    d->inrow_rows += (uint64_t)res->inrow_rows;
+    d->partial_rows += (uint64_t)res->partial_rows;
   } else if (status == DETATTN_UNAVAILABLE) {
-    if (!d->fatal) da_log_error("backend device failed for good: %s; finishing and exiting", res.err);
+    if (!d->fatal) da_log_error("backend device failed for good: %s; finishing and exiting", res->err);
     d->fatal = 1;
     d->draining = 1;
     d->exit_code = DA_EXIT_DEVICE;
-    fail_batch(d, b, DETATTN_UNAVAILABLE, res.err);
+    fail_batch(d, b, DETATTN_UNAVAILABLE, res->err);
   } else {
-    da_log_error("backend run failed (%s): %s", detattn_status_name(status), res.err);
-    fail_batch(d, b, DETATTN_INTERNAL, res.err);
+    da_log_error("backend run failed (%s): %s", detattn_status_name(status), res->err);
+    fail_batch(d, b, DETATTN_INTERNAL, res->err);
   }
-  if (d->fatal && d->formed) fail_batch(d, d->formed, DETATTN_UNAVAILABLE, "device failed");
   da_sched_complete(d->sched, b, item_done, d);
+}
+
+static void on_batch_done(uv_async_t *h) {
+  da_daemon *d = h->data;
+  void *tag;
+  int status, n = 0;
+  da_batch_result res;
+  uint64_t run_ns;
+  while (da_worker_take(d->worker, &tag, &status, &res, &run_ns)) {
+    batch_done(d, tag, status, &res);
+    n++;
+  }
+  if (n == 0) return;
   while (d->drain_list) {
     client *c = d->drain_list;
     d->drain_list = c->drain_next;
@@ -752,7 +759,7 @@ static void on_linger(uv_timer_t *t) {
  * requests already on their way get an answer rather than a reset connection. */
 static void maybe_stop(da_daemon *d) {
   if (!d->draining || d->stopping) return;
-  if (d->running || d->formed || d->n_held > 0 || da_sched_items_in_flight(d->sched) > 0) return;
+  if (d->n_running > 0 || d->n_held > 0 || da_sched_items_in_flight(d->sched) > 0) return;
   if (!d->lingered) {
     if (!uv_is_active((uv_handle_t *)&d->linger_timer))
       uv_timer_start(&d->linger_timer, on_linger, DRAIN_LINGER_MS, 0);
@@ -829,8 +836,7 @@ static int start(da_daemon *d) {
                      .max_batch_tokens = budget, .max_request_tokens = c->max_request_tokens,
                      .acc_slots = d->info->acc_slots, .partial_rows = c->partial_rows};
   if ((rv = da_sched_alloc(&d->sched, &sc, d->kv)) != 0) return rv;
-  da_sched_batch_init(&d->bufs[0]);
-  da_sched_batch_init(&d->bufs[1]);
+  for (int i = 0; i < DA_WORKER_MAX; i++) da_sched_batch_init(&d->bufs[i]);
 
   if ((rv = uv_loop_init(&d->loop)) != 0) {
     da_log_error("uv_loop_init: %s", uv_strerror(rv));
@@ -854,6 +860,11 @@ static int start(da_daemon *d) {
   if ((rv = da_worker_start(&d->worker, d->be, on_worker_done, d)) != 0) {
     da_log_error("cannot start the backend worker thread");
     return rv;
+  }
+  if (c->fail_after_batches > 0) {
+    da_worker_fail_from(d->worker, (uint64_t)c->fail_after_batches);
+    da_log_warn("test setting: batch %d and every later one fail as an injected device failure",
+                c->fail_after_batches);
   }
   size_t decode = (size_t)c->max_message_bytes * 2 + ((size_t)1 << 20);
   da_transport_cfg tc = {.url = c->listen, .n_contexts = c->contexts,
@@ -879,8 +890,7 @@ static void cleanup(da_daemon *d) {
     if (uv_loop_close(&d->loop) != 0) da_log_warn("the loop closed with handles still open");
   }
   da_worker_stop(d->worker);
-  da_sched_batch_fini(&d->bufs[0]);
-  da_sched_batch_fini(&d->bufs[1]);
+  for (int i = 0; i < DA_WORKER_MAX; i++) da_sched_batch_fini(&d->bufs[i]);
   da_sched_free(d->sched);
   for (int i = 0; i < N_BUCKETS; i++)
     while (d->buckets[i]) {

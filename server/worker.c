@@ -1,9 +1,26 @@
 #include "worker.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 
-enum { IDLE, QUEUED, RUNNING, DONE };
+/* How long the worker waits for a submitted batch's ready notification before it calls
+ * finish anyway (finish then waits on the device itself): a backend whose notification
+ * never comes (a failed device) costs this much, never a hang. */
+#define READY_WAIT_MS 1000
+
+enum { FREE, QUEUED, SUBMITTED, DONE };
+
+typedef struct slot {
+  const da_batch *batch;
+  void *tag;
+  int state;
+  int status;
+  da_batch_result res;
+  uint64_t t0, run_ns;
+} slot;
 
 struct da_worker {
   da_backend *be;
@@ -12,38 +29,114 @@ struct da_worker {
   pthread_t thread;
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  int state;
   int stop;
-  const da_batch *batch;
-  void *tag;
-  int status;
-  da_batch_result res;
-  uint64_t run_ns;
+  slot slots[DA_WORKER_MAX]; /* a ring in hand-over order */
+  int head, n;
+  int n_ready; /* ready notifications not yet used by a finish */
+  int owed;    /* finishes done without their notification: absorb it when it comes */
+  uint64_t fail_from, n_submitted;
 };
 
+static slot *at(da_worker *w, int i) { return &w->slots[(w->head + i) % DA_WORKER_MAX]; }
+
+static void on_ready(void *p) {
+  da_worker *w = p;
+  pthread_mutex_lock(&w->mu);
+  if (w->owed > 0) w->owed--;
+  else w->n_ready++;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static slot *first(da_worker *w, int state) {
+  for (int i = 0; i < w->n; i++)
+    if (at(w, i)->state == state) return at(w, i);
+  return NULL;
+}
+
+/* Called and returns with w->mu held. */
+static void do_submit(da_worker *w, slot *s) {
+  const da_batch *b = s->batch;
+  uint64_t seq = ++w->n_submitted;
+  int inject = w->fail_from > 0 && seq >= w->fail_from;
+  s->state = SUBMITTED; /* not QUEUED any more while the lock is dropped */
+  pthread_mutex_unlock(&w->mu);
+  da_batch_result res;
+  uint64_t t0 = da_now_ns();
+  int status;
+  if (inject) {
+    res.inrow_rows = res.partial_rows = 0;
+    snprintf(res.err, sizeof(res.err), "injected device failure (batch %llu)", (unsigned long long)seq);
+    status = DETATTN_UNAVAILABLE;
+  } else {
+    status = da_backend_submit(w->be, b, on_ready, w, &res);
+  }
+  pthread_mutex_lock(&w->mu);
+  s->t0 = t0;
+  if (status != 0) {
+    s->status = status;
+    s->res = res;
+    s->run_ns = da_now_ns() - t0;
+    s->state = DONE;
+    pthread_mutex_unlock(&w->mu);
+    w->done(w->arg);
+    pthread_mutex_lock(&w->mu);
+  }
+}
+
+/* Called and returns with w->mu held; s is the oldest SUBMITTED slot. */
+static void do_finish(da_worker *w, slot *s) {
+  pthread_mutex_unlock(&w->mu);
+  da_batch_result res;
+  int status = da_backend_finish(w->be, &res);
+  uint64_t t1 = da_now_ns();
+  pthread_mutex_lock(&w->mu);
+  s->status = status;
+  s->res = res;
+  s->run_ns = t1 - s->t0;
+  s->state = DONE;
+  pthread_mutex_unlock(&w->mu);
+  w->done(w->arg);
+  pthread_mutex_lock(&w->mu);
+}
+
+static void deadline(struct timespec *ts, int ms) {
+  clock_gettime(CLOCK_MONOTONIC, ts);
+  ts->tv_sec += ms / 1000;
+  ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts->tv_nsec >= 1000000000L) ts->tv_sec++, ts->tv_nsec -= 1000000000L;
+}
+
+/* Submits every queued batch as soon as it arrives (so its staging overlaps the running
+ * batch), and finishes the oldest submitted one once the backend says it is ready. */
 static void *run(void *p) {
   da_worker *w = p;
   pthread_mutex_lock(&w->mu);
   for (;;) {
-    while (w->state != QUEUED && !w->stop) pthread_cond_wait(&w->cv, &w->mu);
-    if (w->state != QUEUED) break;
-    w->state = RUNNING;
-    const da_batch *b = w->batch;
-    pthread_mutex_unlock(&w->mu);
-
-    da_batch_result res;
-    uint64_t t0 = da_now_ns();
-    int status = da_backend_run(w->be, b, &res);
-    uint64_t t1 = da_now_ns();
-
-    pthread_mutex_lock(&w->mu);
-    w->status = status;
-    w->res = res;
-    w->run_ns = t1 - t0;
-    w->state = DONE;
-    pthread_mutex_unlock(&w->mu);
-    w->done(w->arg);
-    pthread_mutex_lock(&w->mu);
+    slot *q = first(w, QUEUED);
+    if (q != NULL) {
+      do_submit(w, q);
+      continue;
+    }
+    slot *s = first(w, SUBMITTED);
+    if (s != NULL) {
+      if (w->n_ready == 0) {
+        struct timespec ts;
+        deadline(&ts, READY_WAIT_MS);
+        int rc = 0;
+        while (w->n_ready == 0 && first(w, QUEUED) == NULL && rc != ETIMEDOUT)
+          rc = pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        if (w->n_ready == 0 && rc != ETIMEDOUT) continue; /* a new batch to submit first */
+        if (w->n_ready == 0) w->owed++;
+        else w->n_ready--;
+      } else {
+        w->n_ready--;
+      }
+      do_finish(w, s);
+      continue;
+    }
+    if (w->stop) break;
+    pthread_cond_wait(&w->cv, &w->mu);
   }
   pthread_mutex_unlock(&w->mu);
   return NULL;
@@ -55,14 +148,21 @@ int da_worker_start(da_worker **out, da_backend *be, void (*done)(void *arg), vo
   w->be = be;
   w->done = done;
   w->arg = arg;
+  pthread_condattr_t ca;
   if (pthread_mutex_init(&w->mu, NULL) != 0) goto fail_mu;
-  if (pthread_cond_init(&w->cv, NULL) != 0) goto fail_cv;
+  if (pthread_condattr_init(&ca) != 0) goto fail_ca;
+  if (pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) != 0 || pthread_cond_init(&w->cv, &ca) != 0)
+    goto fail_cv;
+  pthread_condattr_destroy(&ca);
   if (pthread_create(&w->thread, NULL, run, w) != 0) goto fail_thread;
   *out = w;
   return 0;
 fail_thread:
   pthread_cond_destroy(&w->cv);
+  goto fail_ca;
 fail_cv:
+  pthread_condattr_destroy(&ca);
+fail_ca:
   pthread_mutex_destroy(&w->mu);
 fail_mu:
   free(w);
@@ -81,33 +181,47 @@ void da_worker_stop(da_worker *w) {
   free(w);
 }
 
-int da_worker_busy(const da_worker *w) {
+void da_worker_fail_from(da_worker *w, uint64_t n) {
+  pthread_mutex_lock(&w->mu);
+  w->fail_from = n;
+  pthread_mutex_unlock(&w->mu);
+}
+
+int da_worker_count(const da_worker *w) {
   da_worker *m = (da_worker *)w;
   pthread_mutex_lock(&m->mu);
-  int busy = m->state != IDLE;
+  int n = m->n;
   pthread_mutex_unlock(&m->mu);
-  return busy;
+  return n;
 }
+
+int da_worker_busy(const da_worker *w) { return da_worker_count(w) > 0; }
 
 void da_worker_submit(da_worker *w, const da_batch *b, void *tag) {
   pthread_mutex_lock(&w->mu);
-  w->batch = b;
-  w->tag = tag;
-  w->state = QUEUED;
-  pthread_cond_signal(&w->cv);
+  if (w->n < DA_WORKER_MAX) {
+    slot *s = at(w, w->n++);
+    s->batch = b;
+    s->tag = tag;
+    s->state = QUEUED;
+    pthread_cond_signal(&w->cv);
+  }
   pthread_mutex_unlock(&w->mu);
 }
 
 int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns) {
   pthread_mutex_lock(&w->mu);
-  int done = w->state == DONE;
+  slot *s = at(w, 0);
+  int done = w->n > 0 && s->state == DONE;
   if (done) {
-    *tag = w->tag;
-    *status = w->status;
-    *res = w->res;
-    *run_ns = w->run_ns;
-    w->state = IDLE;
-    w->batch = NULL;
+    *tag = s->tag;
+    *status = s->status;
+    *res = s->res;
+    *run_ns = s->run_ns;
+    s->state = FREE;
+    s->batch = NULL;
+    w->head = (w->head + 1) % DA_WORKER_MAX;
+    w->n--;
   }
   pthread_mutex_unlock(&w->mu);
   return done;

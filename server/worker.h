@@ -1,30 +1,50 @@
 /*
- * worker.h — the backend worker: one thread that runs batches through da_backend_run, one
- * at a time, and tells the loop when one is done.
+ * worker.h — the backend worker: one thread that drives the backend through
+ * da_backend_submit / da_backend_finish with up to DA_WORKER_MAX batches, and tells the
+ * loop when one is done.
  *
- * Thread: da_worker_submit and da_worker_take are called from the loop thread only. The
- * done callback runs on the worker thread; it must only wake the loop (uv_async_send).
+ * A batch handed over is submitted to the backend at once, even while the previous one is
+ * still on the device, so its staging (host packing, H2D) overlaps that batch's kernels
+ * (backend.h). The worker finishes batches in the order they were handed over, and
+ * da_worker_take returns them in that order. On a backend without submit/finish the
+ * fallback runs each batch in finish(), one at a time, as before.
+ *
+ * Thread: da_worker_submit, da_worker_take, da_worker_count and da_worker_fail_from are
+ * called from the loop thread only. The done callback runs on the worker thread; it must
+ * only wake the loop (uv_async_send).
  */
 #ifndef DA_WORKER_H
 #define DA_WORKER_H
 
 #include "backend.h"
 
+/* Most batches handed over and not yet taken back. */
+#define DA_WORKER_MAX DA_BACKEND_MAX_INFLIGHT
+
 typedef struct da_worker da_worker;
 
 /* Starts the thread. done(arg) is called after each batch finishes. */
 int da_worker_start(da_worker **out, da_backend *be, void (*done)(void *arg), void *arg);
-/* Stops and joins the thread after the running batch (if any) finishes. NULL is a no-op. */
+/* Stops and joins the thread after the batches handed over (if any) finish. NULL is a
+ * no-op. */
 void da_worker_stop(da_worker *w);
 
-/* Non-zero while a batch is submitted and not yet taken back. */
+/* Tests only: batch n (counting from 1 in hand-over order) and every later one are not
+ * given to the backend; they come back with DETATTN_UNAVAILABLE "injected device failure",
+ * as a sticky device error would. 0: off. Call before the first submit. */
+void da_worker_fail_from(da_worker *w, uint64_t n);
+
+/* Batches handed over and not yet taken back, 0 to DA_WORKER_MAX. */
+int da_worker_count(const da_worker *w);
+/* Non-zero while any batch is handed over and not yet taken back. */
 int da_worker_busy(const da_worker *w);
-/* Hands b to the worker. Requires !da_worker_busy. b and everything it points to must stay
- * valid until da_worker_take returns it. */
+/* Hands b to the worker. Requires da_worker_count < DA_WORKER_MAX. b and everything it
+ * points to must stay valid until da_worker_take returns it. */
 void da_worker_submit(da_worker *w, const da_batch *b, void *tag);
-/* If the submitted batch finished, returns 1 and its tag, da_backend_run's status, its
- * result and the run time; the worker is then idle. Returns 0 if it is still running or
- * nothing was submitted. */
+/* If the oldest batch handed over has finished, returns 1 and its tag, its status (that of
+ * da_backend_submit if it failed, else of da_backend_finish), its result and the time from
+ * its submit to the end of its finish. Returns 0 if it is still running or nothing was
+ * handed over. */
 int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns);
 
 #endif /* DA_WORKER_H */
