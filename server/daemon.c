@@ -626,6 +626,8 @@ static void submit(da_daemon *d, da_sched_batch *b) {
   d->batches++;
   d->buf_busy[b - d->bufs] = 1;
   d->n_running++;
+  da_log_debug("batch %llu: %d tokens, %d requests; %d in the worker", (unsigned long long)d->batches,
+               (int)b->tokens, n_reqs, d->n_running);
   da_worker_submit(d->worker, &b->b, b);
 }
 
