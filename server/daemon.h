@@ -20,8 +20,13 @@
  *
  * SIGTERM/SIGINT: new requests get UNAVAILABLE "draining"; everything accepted is finished
  * and answered, then the daemon exits 0. A backend run that reports a sticky device error
- * (UNAVAILABLE) fails the requests of that batch and of every later one, and the daemon
- * exits 3.
+ * (UNAVAILABLE) fails the requests of that batch and of every later one (UNAVAILABLE, with
+ * the backend's message), new requests get UNAVAILABLE, and the daemon exits 3. The test
+ * setting --fail-after-batches N makes batch N and later fail this way without a device.
+ *
+ * Batches: the worker holds up to two (worker.h). When it is idle, a batch is formed as
+ * soon as the wait window allows; while one runs, the next is formed once a full batch is
+ * waiting and handed over at once, so its staging overlaps the running one's kernels.
  */
 #ifndef DA_DAEMON_H
 #define DA_DAEMON_H
