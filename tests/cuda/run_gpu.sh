@@ -1,7 +1,9 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill] [--quick]
+# profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
+# launch (B=8 L=4k H=32 d=64, causal).
 set -u
 what=${1:-all}
 quick=${2:-}
@@ -17,7 +19,12 @@ cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 t0=$(date +%s.%N)
 cmake --build build-gpu --target da_cuda -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 t1=$(date +%s.%N)
-cmake --build build-gpu --target test_cuda -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
+# Every target a gpu-labelled test runs (those present in this tree).
+tgts=""
+for t in test_cuda test_backend_async detattnd detattn_cli; do
+  ninja -C build-gpu -t targets all 2>/dev/null | grep -q "^$t:" && tgts="$tgts $t"
+done
+cmake --build build-gpu --target $tgts -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 echo "da_cuda build (16 jobs): $(python3 -c "print(round($t1 - $t0, 1))") s" | tee "$OUT/summary.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -29,13 +36,20 @@ if [ "$what" != tests ]; then
   cmake --build build-gpu --target detattn-bench -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -20; exit 1; }
   BENCH="build-gpu/bin/detattn-bench --backend cuda"
   bqs=""; [ "$quick" = --quick ] && bqs=--quick
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  NCU_SECTIONS="--section SpeedOfLight --section WarpStateStats --section SchedulerStats
+    --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section InstructionStats"
   if [ "$what" = profile ]; then
     $BENCH --quick --decode-only --contiguous 2>&1 | tee "$OUT/contig.csv"
-    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight \
-      --section WarpStateStats --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 $NCU_SECTIONS \
       $BENCH --one-decode 8 16384 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu.txt" | grep -E "[0-9]" | head -80
+    exit 0
+  fi
+  if [ "$what" = profile-prefill ]; then
+    $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 $NCU_SECTIONS \
+      $BENCH --quick --prefill-only > "$OUT/ncu-prefill.txt" 2>&1
+    grep -vE "^==PROF==|^ +-+$" "$OUT/ncu-prefill.txt" | grep -E "[0-9]" | head -90
     exit 0
   fi
   $BENCH $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
