@@ -172,21 +172,25 @@ attn_kernel(const da_cu_args a) {
     if (tid >= BN || kt > kt_end || kp < w0_min || kp > p_max) return -1;
     return pt[kp >> a.page_shift];
   };
+  /* Thread tid copies chunk ld_c of rows ld_r0 + k * LD_RSTEP (k < LD_ITERS) of a tile. */
+  constexpr int LD_RSTEP = NT / CH, LD_ITERS = BN / LD_RSTEP;
+  static_assert(NT % CH == 0 && BN % LD_RSTEP == 0, "tile copy layout");
+  const int ld_r0 = tid / CH, ld_c = tid % CH;
+  const uint16_t *kv_k = kv + kv_base + ld_c * 8;  /* K of this head, this thread's chunk */
+  const int64_t v_delta = (int64_t)a.n_kv_heads * slab; /* V slab after the K slab */
   auto load_tile = [&](int kt, int stage) {
     const uint32_t kd = smem_u32(ks + stage * TILE_B), vd = smem_u32(vs + stage * TILE_B);
 #pragma unroll
-    for (int i = tid; i < BN * CH; i += NT) {
-      const int r = i / CH, c = i % CH;
+    for (int k = 0; k < LD_ITERS; k++) {
+      const int r = ld_r0 + k * LD_RSTEP;
       const int32_t pg = s_pg[stage][r];
       const uint16_t *ksrc = kv, *vsrc = kv;
       if (pg >= 0) {
-        const int64_t off = (int64_t)pg * page_elems + kv_base +
-                            (int64_t)((kt * BN + r) & (a.page_tokens - 1)) * D + c * 8;
-        ksrc = kv + off;
-        vsrc = kv + off + a.n_kv_heads * slab;
+        ksrc = kv_k + (int64_t)pg * page_elems + ((kt * BN + r) & (a.page_tokens - 1)) * D;
+        vsrc = ksrc + v_delta;
       }
-      cp_async16(kd + swz<D>(r, c), ksrc, pg >= 0);
-      cp_async16(vd + swz<D>(r, c), vsrc, pg >= 0);
+      cp_async16(kd + swz<D>(r, ld_c), ksrc, pg >= 0);
+      cp_async16(vd + swz<D>(r, ld_c), vsrc, pg >= 0);
     }
   };
   for (int k = 0; k < nst; k++)
@@ -213,15 +217,18 @@ attn_kernel(const da_cu_args a) {
   da_row_state st;
   float *myfold = fold + warp * NV * 4 * 32 + lane;
 
+  /* Counters instead of divisions: stage of tile kt, stage the next copy goes to, split j
+   * of tile kt and kt's index inside it. */
+  int st_cur = 0, st_load = nst - 1, j = kt_begin / tps, in_split = kt_begin - j * tps;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
-    const int i = kt - kt_begin, stage = i % nst;
+    const int stage = st_cur;
     const int32_t pg_next = page_of(kt + nst);
     /* Tile kt has landed; after the barrier every warp is done with iteration kt - 1, so
      * its stage and the exchange buffers are free: the barrier also ends that iteration. */
     if (nst == 3) cp_wait<1>();
     else cp_wait<0>();
     __syncthreads();
-    if (kt + nst - 1 <= kt_end) load_tile(kt + nst - 1, (i + nst - 1) % nst);
+    if (kt + nst - 1 <= kt_end) load_tile(kt + nst - 1, st_load);
     cp_commit();
     if constexpr (QREG) {
       if (kt == kt_begin && warp_active) {
@@ -230,8 +237,7 @@ attn_kernel(const da_cu_args a) {
           ldsm_x4(qreg[kk], smem_u32(qs) + swz<D>(rbase + (lane & 15), kk * 2 + (lane >> 4)));
       }
     }
-    const int j = kt / tps;
-    if (kt == kt_begin || kt % tps == 0) {
+    if (kt == kt_begin || in_split == 0) {
       da_state_reset(st);
 #pragma unroll
       for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -395,7 +401,7 @@ attn_kernel(const da_cu_args a) {
         }
       }
     }
-    if (warp_active && (kt == kt_end || (kt + 1) % tps == 0)) {
+    if (warp_active && (kt == kt_end || in_split == tps - 1)) {
       /* Split j is complete for every row of the block: finalize and fold or write. */
 #pragma unroll
       for (int r = 0; r < 2; r++) {
@@ -437,6 +443,9 @@ attn_kernel(const da_cu_args a) {
     /* Tile kt's page ids (this stage's slot) were consumed when its copies were issued;
      * the slot is next read after the following iteration's barrier. */
     if (tid < BN) s_pg[stage][tid] = pg_next;
+    st_cur = st_cur + 1 == nst ? 0 : st_cur + 1;
+    st_load = st_load + 1 == nst ? 0 : st_load + 1;
+    if (++in_split == tps) in_split = 0, j++;
   }
 
   if (partial || !warp_active) return;
