@@ -1,107 +1,17 @@
+/*
+ * daemon.c — detattnd's loop (see daemon.h): state, loop callbacks, event intake, batch
+ * formation and completion, stats, start and stop. The op handlers are in ops.c.
+ */
 #include "daemon.h"
 
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <uv.h>
 
-#include "backend.h"
-#include "kvcache.h"
+#include "daemon_impl.h"
 #include "log.h"
-#include "scheduler.h"
-#include "transport.h"
-#include "wire.h"
-#include "worker.h"
-
-#ifndef DA_SERVER_VERSION
-#define DA_SERVER_VERSION "0.0.0"
-#endif
-
-#define N_BUCKETS 256
-#define N_SAMPLES 4096
-#define EVENTS_PER_TICK 256
-#define N_GONE 1024
-#define DRAIN_LINGER_MS 200
-
-typedef struct request request;
-
-typedef struct client {
-  uint32_t id;
-  int dead;
-  int n_seqs; /* sequences it owns */
-  int n_reqs; /* requests alive that point at it */
-  da_sched_queue q;
-  request *held_head, *held_tail; /* waiting for a sequence to go idle */
-  int drain_marked;
-  struct client *hnext;      /* hash chain */
-  struct client *drain_next; /* clients whose held requests may now run */
-} client;
-
-typedef struct seq_slot {
-  uint64_t wire; /* 0: free */
-  uint32_t generation;
-  client *owner;
-  int pending; /* admitted items not yet completed */
-  int closing; /* owner gone: close when pending reaches 0 */
-} seq_slot;
-
-struct request {
-  da_tctx *ctx;
-  client *cl;
-  da_wire_request w;
-  uint64_t recv_ns;
-  int status;
-  char err[256];
-  int n_items, items_left;
-  da_sched_item *items;
-  void *out; /* o and lse buffers of all items */
-  uint64_t batch_stamp;
-  request *next; /* held queue */
-};
-
-/* Count, sum, max over all time; the last N_SAMPLES samples for percentiles. */
-typedef struct summary {
-  uint64_t count;
-  double sum, max;
-  double ring[N_SAMPLES];
-} summary;
-
-typedef struct da_daemon {
-  const da_config *cfg;
-  da_model model;
-  da_numerics num;
-  uv_loop_t loop;
-  uv_async_t ev_async, done_async;
-  uv_signal_t sigterm, sigint;
-  uv_timer_t wait_timer, linger_timer;
-  int n_handles; /* open uv handles */
-  da_backend *be;
-  const da_backend_info *info;
-  da_kvcache *kv;
-  da_sched *sched;
-  da_worker *worker;
-  da_transport *tr;
-  da_sched_batch bufs[DA_WORKER_MAX];
-  int buf_busy[DA_WORKER_MAX]; /* handed to the worker, not yet taken back */
-  int n_running;               /* batches in the worker */
-  uint64_t batch_counter;
-  client *buckets[N_BUCKETS];
-  int n_clients;
-  uint32_t gone[N_GONE]; /* recently disconnected pipe ids; see on_request */
-  uint64_t n_gone;
-  client *drain_list;
-  seq_slot *seqs;
-  int max_seqs;
-  int n_held;
-  int loop_inited;
-  int draining, fatal, stopping, lingered;
-  int exit_code;
-  uint64_t start_ns;
-  /* stats */
-  uint64_t requests, errors, forward_tokens, batches, inrow_rows, partial_rows;
-  uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
-  summary batch_tokens, batch_requests, queue_us;
-} da_daemon;
 
 static void kick(da_daemon *d);
 static void maybe_stop(da_daemon *d);
@@ -122,7 +32,7 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-static void summary_get(const summary *s, da_wire_summary *out) {
+void da_daemon_summary_get(const summary *s, da_wire_summary *out) {
   static double tmp[N_SAMPLES];
   memset(out, 0, sizeof(*out));
   out->count = s->count;
@@ -144,7 +54,7 @@ static client *client_find(da_daemon *d, uint32_t id) {
   return NULL;
 }
 
-static void client_maybe_free(da_daemon *d, client *c) {
+void da_daemon_client_maybe_free(da_daemon *d, client *c) {
   if (!c->dead || c->n_seqs > 0 || c->n_reqs > 0 || c->q.linked || c->q.head) return;
   client **pp = &d->buckets[c->id % N_BUCKETS];
   while (*pp != c) pp = &(*pp)->hnext;
@@ -153,7 +63,7 @@ static void client_maybe_free(da_daemon *d, client *c) {
   free(c);
 }
 
-static seq_slot *seq_find(da_daemon *d, client *c, uint64_t wire) {
+seq_slot *da_daemon_seq_find(da_daemon *d, client *c, uint64_t wire) {
   uint32_t h = (uint32_t)(wire & 0xffffffffu);
   if (wire == 0 || h >= (uint32_t)d->max_seqs) return NULL;
   seq_slot *s = &d->seqs[h];
@@ -161,7 +71,7 @@ static seq_slot *seq_find(da_daemon *d, client *c, uint64_t wire) {
   return s;
 }
 
-static void seq_release(da_daemon *d, seq_slot *s) {
+void da_daemon_seq_release(da_daemon *d, seq_slot *s) {
   uint32_t h = (uint32_t)(s - d->seqs);
   int rv = da_kvcache_close(d->kv, h);
   if (rv != 0) da_log_error("closing KV sequence %u: %s", h, da_kvcache_errmsg(d->kv));
@@ -170,102 +80,10 @@ static void seq_release(da_daemon *d, seq_slot *s) {
   s->owner = NULL;
   s->closing = 0;
   c->n_seqs--;
-  client_maybe_free(d, c);
+  da_daemon_client_maybe_free(d, c);
 }
 
-/* ---- requests and replies ---- */
-
-static void request_free(da_daemon *d, request *r) {
-  client *c = r->cl;
-  da_wire_request_fini(&r->w);
-  free(r->items);
-  free(r->out);
-  free(r);
-  if (c) {
-    c->n_reqs--;
-    client_maybe_free(d, c);
-  }
-}
-
-static void send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp) {
-  d->requests++;
-  if (resp->code == 0) d->op_ok[op]++;
-  else {
-    d->errors++;
-    d->op_errors[op]++;
-    da_log_debug("request %llu (%s): %s: %s", (unsigned long long)resp->id, da_op_name(op),
-                 detattn_status_name(resp->code), resp->message ? resp->message : "");
-  }
-  if (d->tr) da_transport_reply(d->tr, ctx, resp);
-}
-
-static void reply_error(da_daemon *d, request *r, int code, const char *msg) {
-  da_wire_response resp = {.id = r->w.id, .code = code, .message = msg};
-  send_reply(d, r->ctx, r->w.op, &resp);
-  request_free(d, r);
-}
-
-static void reply_ok(da_daemon *d, request *r, da_wire_response *resp) {
-  resp->id = r->w.id;
-  resp->code = 0;
-  resp->op = r->w.op;
-  send_reply(d, r->ctx, r->w.op, resp);
-  request_free(d, r);
-}
-
-/* ---- op handlers: return 1 when r was answered or admitted, 0 when it must wait ---- */
-
-static int op_hello(da_daemon *d, request *r) {
-  const da_backend_info *in = d->info;
-  int pages = da_kvcache_pages_total(d->kv);
-  da_wire_hello_reply h = {
-      .server_version = DA_SERVER_VERSION,
-      .protocol_version = DETATTN_PROTOCOL_VERSION,
-      .model = d->model,
-      .page_tokens = d->cfg->page_tokens,
-      .backend = in->name,
-      .arch = in->arch,
-      .kernel_version = in->kernel_version,
-      .num = d->num,
-      .fingerprint = in->fingerprint,
-      .max_message_bytes = (uint64_t)d->cfg->max_message_bytes,
-      .max_tokens_per_request = (uint32_t)d->cfg->max_request_tokens,
-      .kv_capacity_tokens = (uint64_t)pages * (uint64_t)d->cfg->page_tokens,
-      .kv_pages = (uint32_t)pages,
-      .max_sequences = (uint32_t)d->max_seqs,
-  };
-  da_log_debug("hello from client %u (%s), protocol %u", r->cl->id, r->w.client_name, r->w.protocol_version);
-  da_wire_response resp = {.hello = &h};
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int op_stats(da_daemon *d, request *r) {
-  da_wire_stats_reply s = {
-      .uptime_ms = (da_now_ns() - d->start_ns) / 1000000u,
-      .requests = d->requests,
-      .errors = d->errors,
-      .forward_tokens = d->forward_tokens,
-      .batches = d->batches,
-      .inrow_rows = d->inrow_rows,
-      .partial_rows = d->partial_rows,
-      .kv_pages_total = (uint32_t)da_kvcache_pages_total(d->kv),
-      .kv_pages_free = (uint32_t)da_kvcache_pages_free(d->kv),
-      .sequences = (uint32_t)da_kvcache_seqs_open(d->kv),
-      .clients = (uint32_t)d->n_clients,
-  };
-  s.kv_pages_used = s.kv_pages_total - s.kv_pages_free;
-  memcpy(s.op_ok, d->op_ok, sizeof(s.op_ok));
-  memcpy(s.op_errors, d->op_errors, sizeof(s.op_errors));
-  summary_get(&d->batch_tokens, &s.batch_tokens);
-  summary_get(&d->batch_requests, &s.batch_requests);
-  summary_get(&d->queue_us, &s.queue_us);
-  da_wire_response resp = {.stats = &s};
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int new_seq(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
+int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
   if (h >= (uint32_t)d->max_seqs) {
     da_kvcache_close(d->kv, h);
     return DETATTN_INTERNAL;
@@ -280,161 +98,6 @@ static int new_seq(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
   c->n_seqs++;
   *wire = s->wire;
   return 0;
-}
-
-static int op_seq_open(da_daemon *d, request *r) {
-  uint32_t h;
-  int rv = da_kvcache_open(d->kv, &h);
-  if (rv != 0) {
-    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
-    return 1;
-  }
-  da_wire_response resp = {0};
-  if ((rv = new_seq(d, r->cl, h, &resp.seq)) != 0) {
-    reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
-    return 1;
-  }
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int not_found(da_daemon *d, request *r, uint64_t wire, const char *field) {
-  char msg[160];
-  snprintf(msg, sizeof(msg), "%s: sequence %llu is not open on this connection", field,
-           (unsigned long long)wire);
-  reply_error(d, r, DETATTN_NOT_FOUND, msg);
-  return 1;
-}
-
-static int op_seq_fork(da_daemon *d, request *r) {
-  seq_slot *src = seq_find(d, r->cl, r->w.seq);
-  if (src == NULL) return not_found(d, r, r->w.seq, "seq_fork.src");
-  if (src->pending > 0) return 0;
-  uint32_t h;
-  int rv = da_kvcache_fork(d->kv, (uint32_t)(src - d->seqs), &h);
-  if (rv != 0) {
-    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
-    return 1;
-  }
-  da_wire_response resp = {0};
-  if ((rv = new_seq(d, r->cl, h, &resp.seq)) != 0) {
-    reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
-    return 1;
-  }
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int op_seq_truncate(da_daemon *d, request *r) {
-  seq_slot *s = seq_find(d, r->cl, r->w.seq);
-  if (s == NULL) return not_found(d, r, r->w.seq, "seq_truncate.seq");
-  if (s->pending > 0) return 0;
-  int rv = da_kvcache_truncate(d->kv, (uint32_t)(s - d->seqs), (int)r->w.length);
-  if (rv != 0) {
-    reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
-    return 1;
-  }
-  da_wire_response resp = {0};
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int op_seq_close(da_daemon *d, request *r) {
-  seq_slot *s = seq_find(d, r->cl, r->w.seq);
-  if (s == NULL) return not_found(d, r, r->w.seq, "seq_close.seq");
-  if (s->pending > 0) return 0;
-  seq_release(d, s);
-  da_wire_response resp = {0};
-  reply_ok(d, r, &resp);
-  return 1;
-}
-
-static int op_forward(da_daemon *d, request *r) {
-  const da_wire_request *w = &r->w;
-  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
-  const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
-  seq_slot **slots = malloc((size_t)w->n_seqs * sizeof(*slots));
-  r->items = calloc((size_t)w->n_seqs, sizeof(*r->items));
-  r->out = malloc((size_t)w->n_tokens * (qrow + (w->want_lse ? lrow : 0)));
-  if (slots == NULL || r->items == NULL || r->out == NULL) {
-    free(slots);
-    reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the forward's outputs");
-    return 1;
-  }
-  char *o = r->out;
-  float *lse = (float *)(o + (size_t)w->n_tokens * qrow);
-  for (int i = 0; i < w->n_seqs; i++) {
-    const da_wire_fwd_seq *fs = &w->seqs[i];
-    char field[48];
-    slots[i] = seq_find(d, r->cl, fs->seq);
-    if (slots[i] == NULL) {
-      free(slots);
-      snprintf(field, sizeof(field), "forward.seqs[%d].seq", i);
-      return not_found(d, r, fs->seq, field);
-    }
-    da_sched_item *it = &r->items[i];
-    it->kv_seq = (uint32_t)(slots[i] - d->seqs);
-    it->wire_seq = fs->seq;
-    it->layer = w->layer;
-    it->pos = fs->pos;
-    it->n = fs->n_tokens;
-    it->q = fs->q;
-    it->k = fs->k;
-    it->v = fs->v;
-    it->o = o;
-    it->lse = w->want_lse ? lse : NULL;
-    it->user = r;
-    o += (size_t)fs->n_tokens * qrow;
-    if (w->want_lse) lse += (size_t)fs->n_tokens * (size_t)d->model.n_q_heads;
-  }
-  char err[256];
-  int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
-  if (rv != 0) {
-    free(slots);
-    reply_error(d, r, rv, err);
-    return 1;
-  }
-  for (int i = 0; i < w->n_seqs; i++) slots[i]->pending++;
-  free(slots);
-  r->n_items = r->items_left = w->n_seqs;
-  return 1;
-}
-
-typedef struct op_entry {
-  int (*fn)(da_daemon *d, request *r);
-  int ordered; /* names sequences: runs in the client's arrival order */
-} op_entry;
-
-static const op_entry ops[DA_OP_COUNT] = {
-    [DA_OP_HELLO] = {op_hello, 0},          [DA_OP_STATS] = {op_stats, 0},
-    [DA_OP_SEQ_OPEN] = {op_seq_open, 0},    [DA_OP_SEQ_FORK] = {op_seq_fork, 1},
-    [DA_OP_SEQ_TRUNCATE] = {op_seq_truncate, 1}, [DA_OP_SEQ_CLOSE] = {op_seq_close, 1},
-    [DA_OP_FORWARD] = {op_forward, 1},
-};
-
-static void hold(da_daemon *d, client *c, request *r) {
-  r->next = NULL;
-  if (c->held_tail) c->held_tail->next = r;
-  else c->held_head = r;
-  c->held_tail = r;
-  d->n_held++;
-}
-
-/* Runs the client's waiting requests in order until one must wait again. */
-static void drain_held(da_daemon *d, client *c) {
-  while (c->held_head) {
-    request *r = c->held_head;
-    c->held_head = r->next;
-    if (c->held_head == NULL) c->held_tail = NULL;
-    d->n_held--;
-    if (!ops[r->w.op].fn(d, r)) {
-      r->next = c->held_head;
-      c->held_head = r;
-      if (c->held_tail == NULL) c->held_tail = r;
-      d->n_held++;
-      return;
-    }
-  }
 }
 
 static client *client_add(da_daemon *d, uint32_t id) {
@@ -459,6 +122,8 @@ static int is_gone(const da_daemon *d, uint32_t id) {
   return 0;
 }
 
+/* ---- event intake ---- */
+
 /* nng reports a connection's arrival and departure on other threads than its requests, so
  * a request may be seen before its connection's CONNECT event (the client is created
  * then) or after its DISCONNECT (it is answered UNAVAILABLE: nobody will read it). */
@@ -466,7 +131,7 @@ static void on_request(da_daemon *d, da_event *ev) {
   da_wire_request *w = &ev->req;
   if (w->status != 0) {
     da_wire_response resp = {.id = w->id, .code = w->status, .message = w->err};
-    send_reply(d, ev->ctx, w->op, &resp);
+    da_ops_send_reply(d, ev->ctx, w->op, &resp);
     return;
   }
   client *c = client_find(d, ev->client);
@@ -477,13 +142,13 @@ static void on_request(da_daemon *d, da_event *ev) {
                                          : NULL;
   if (why) {
     da_wire_response resp = {.id = w->id, .code = DETATTN_UNAVAILABLE, .message = why};
-    send_reply(d, ev->ctx, w->op, &resp);
+    da_ops_send_reply(d, ev->ctx, w->op, &resp);
     return;
   }
   request *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     da_wire_response resp = {.id = w->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = "out of memory"};
-    send_reply(d, ev->ctx, w->op, &resp);
+    da_ops_send_reply(d, ev->ctx, w->op, &resp);
     return;
   }
   r->ctx = ev->ctx;
@@ -492,13 +157,7 @@ static void on_request(da_daemon *d, da_event *ev) {
   r->w = *w;
   memset(w, 0, sizeof(*w));
   c->n_reqs++;
-  const op_entry *op = &ops[r->w.op];
-  if (op->fn == NULL) {
-    reply_error(d, r, DETATTN_UNIMPLEMENTED, "op not implemented");
-    return;
-  }
-  if (op->ordered && c->held_head) hold(d, c, r);
-  else if (!op->fn(d, r)) hold(d, c, r);
+  da_ops_dispatch(d, r);
 }
 
 static void on_connect(da_daemon *d, uint32_t id) {
@@ -516,7 +175,7 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
     request *r = c->held_head;
     c->held_head = r->next;
     d->n_held--;
-    reply_error(d, r, DETATTN_UNAVAILABLE, "connection closed");
+    da_ops_reply_error(d, r, DETATTN_UNAVAILABLE, "connection closed");
   }
   c->held_tail = NULL;
   int closed = 0, deferred = 0;
@@ -524,7 +183,7 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
     seq_slot *s = &d->seqs[i];
     if (s->wire == 0 || s->owner != c) continue;
     if (s->pending == 0) {
-      seq_release(d, s);
+      da_daemon_seq_release(d, s);
       closed++;
     } else {
       s->closing = 1;
@@ -535,7 +194,7 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
   da_log_debug("client %u disconnected: %d sequences closed, %d closing after their work, %d queued "
                "items cancelled", id, closed, deferred, cancelled);
   c->n_reqs--;
-  client_maybe_free(d, c);
+  da_daemon_client_maybe_free(d, c);
   maybe_stop(d);
 }
 
@@ -579,33 +238,11 @@ static void item_done(void *arg, da_sched_item *it) {
   request *r = it->user;
   seq_slot *s = &d->seqs[it->kv_seq];
   if (--s->pending == 0) {
-    if (s->closing) seq_release(d, s);
+    if (s->closing) da_daemon_seq_release(d, s);
     else mark_drain(d, s->owner);
   }
   if (--r->items_left > 0) return;
-  if (r->status != 0) {
-    reply_error(d, r, r->status, r->err);
-    return;
-  }
-  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
-  da_wire_fwd_out *outs = calloc((size_t)r->n_items, sizeof(*outs));
-  if (outs == NULL) {
-    reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the reply");
-    return;
-  }
-  for (int i = 0; i < r->n_items; i++) {
-    da_sched_item *x = &r->items[i];
-    outs[i].o = x->o;
-    outs[i].o_len = (size_t)x->n * qrow;
-    if (x->lse) {
-      outs[i].lse = x->lse;
-      outs[i].lse_len = (size_t)x->n * (size_t)d->model.n_q_heads * sizeof(float);
-    }
-  }
-  d->forward_tokens += (uint64_t)r->w.n_tokens;
-  da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
-  reply_ok(d, r, &resp);
-  free(outs);
+  da_ops_forward_done(d, r);
 }
 
 static void submit(da_daemon *d, da_sched_batch *b) {
@@ -721,9 +358,9 @@ static void on_batch_done(uv_async_t *h) {
     d->drain_list = c->drain_next;
     c->drain_marked = 0;
     c->n_reqs++;
-    drain_held(d, c);
+    da_ops_drain_held(d, c);
     c->n_reqs--;
-    client_maybe_free(d, c);
+    da_daemon_client_maybe_free(d, c);
   }
   kick(d);
   maybe_stop(d);
@@ -748,8 +385,6 @@ static void close_handles(da_daemon *d) {
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
     if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
 }
-
-static void maybe_stop(da_daemon *d);
 
 static void on_linger(uv_timer_t *t) {
   da_daemon *d = t->data;
@@ -902,7 +537,7 @@ static void cleanup(da_daemon *d) {
         request *r = c->held_head;
         c->held_head = r->next;
         r->cl = NULL;
-        request_free(d, r);
+        da_ops_request_free(d, r);
       }
       free(c);
     }

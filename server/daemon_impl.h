@@ -1,0 +1,141 @@
+/*
+ * daemon_impl.h — detattnd's internal state, shared by the loop (daemon.c: state, loop
+ * callbacks, event intake, batch formation and completion, stats, lifecycle) and the op
+ * handlers (ops.c: the dispatch table, one handler per op, replies). Not a public header:
+ * only server/daemon.c and server/ops.c include it.
+ *
+ * Thread: everything here is owned by the daemon's loop thread; every function below runs
+ * on it.
+ */
+#ifndef DA_DAEMON_IMPL_H
+#define DA_DAEMON_IMPL_H
+
+#include <stdint.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "config.h"
+#include "kvcache.h"
+#include "scheduler.h"
+#include "transport.h"
+#include "wire.h"
+#include "worker.h"
+
+#define N_BUCKETS 256
+#define N_SAMPLES 4096
+#define EVENTS_PER_TICK 256
+#define N_GONE 1024
+#define DRAIN_LINGER_MS 200
+
+typedef struct request request;
+
+typedef struct client {
+  uint32_t id;
+  int dead;
+  int n_seqs; /* sequences it owns */
+  int n_reqs; /* requests alive that point at it */
+  da_sched_queue q;
+  request *held_head, *held_tail; /* waiting for a sequence to go idle */
+  int drain_marked;
+  struct client *hnext;      /* hash chain */
+  struct client *drain_next; /* clients whose held requests may now run */
+} client;
+
+typedef struct seq_slot {
+  uint64_t wire; /* 0: free */
+  uint32_t generation;
+  client *owner;
+  int pending; /* admitted items not yet completed */
+  int closing; /* owner gone: close when pending reaches 0 */
+} seq_slot;
+
+struct request {
+  da_tctx *ctx;
+  client *cl;
+  da_wire_request w;
+  uint64_t recv_ns;
+  int status;
+  char err[256];
+  int n_items, items_left;
+  da_sched_item *items;
+  void *out; /* o and lse buffers of all items */
+  uint64_t batch_stamp;
+  request *next; /* held queue */
+};
+
+/* Count, sum, max over all time; the last N_SAMPLES samples for percentiles. */
+typedef struct summary {
+  uint64_t count;
+  double sum, max;
+  double ring[N_SAMPLES];
+} summary;
+
+typedef struct da_daemon {
+  const da_config *cfg;
+  da_model model;
+  da_numerics num;
+  uv_loop_t loop;
+  uv_async_t ev_async, done_async;
+  uv_signal_t sigterm, sigint;
+  uv_timer_t wait_timer, linger_timer;
+  int n_handles; /* open uv handles */
+  da_backend *be;
+  const da_backend_info *info;
+  da_kvcache *kv;
+  da_sched *sched;
+  da_worker *worker;
+  da_transport *tr;
+  da_sched_batch bufs[DA_WORKER_MAX];
+  int buf_busy[DA_WORKER_MAX]; /* handed to the worker, not yet taken back */
+  int n_running;               /* batches in the worker */
+  uint64_t batch_counter;
+  client *buckets[N_BUCKETS];
+  int n_clients;
+  uint32_t gone[N_GONE]; /* recently disconnected pipe ids; see on_request */
+  uint64_t n_gone;
+  client *drain_list;
+  seq_slot *seqs;
+  int max_seqs;
+  int n_held;
+  int loop_inited;
+  int draining, fatal, stopping, lingered;
+  int exit_code;
+  uint64_t start_ns;
+  /* stats */
+  uint64_t requests, errors, forward_tokens, batches, inrow_rows, partial_rows;
+  uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
+  summary batch_tokens, batch_requests, queue_us;
+} da_daemon;
+
+/* ---- daemon.c ---- */
+
+/* The sequence c owns under the wire id, or NULL when it is not open on c (or is closing). */
+seq_slot *da_daemon_seq_find(da_daemon *d, client *c, uint64_t wire);
+/* Binds KV cache handle h, just opened or forked, to a fresh wire id owned by c and stores
+ * it in *wire. Returns 0, or DETATTN_INTERNAL (h closed again) if h is out of the table. */
+int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire);
+/* Closes the sequence's KV cache handle and frees its slot; may free its owner. */
+void da_daemon_seq_release(da_daemon *d, seq_slot *s);
+/* Frees c once it is disconnected and nothing refers to it any more. */
+void da_daemon_client_maybe_free(da_daemon *d, client *c);
+/* Count, mean, max, p50 and p99 of s. */
+void da_daemon_summary_get(const summary *s, da_wire_summary *out);
+
+/* ---- ops.c ---- */
+
+/* Counts the reply in the stats and sends it on ctx (nothing is sent once the transport is
+ * closed). Does not take resp. */
+void da_ops_send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp);
+/* Answers r with code and msg and frees r. */
+void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg);
+/* Frees r and drops its reference to its client (which may free the client). */
+void da_ops_request_free(da_daemon *d, request *r);
+/* Runs a new request through the op table: answered, admitted, or held behind the client's
+ * waiting requests (ordered ops) or until its sequence goes idle. Takes r. */
+void da_ops_dispatch(da_daemon *d, request *r);
+/* Runs the client's waiting requests in order until one must wait again. */
+void da_ops_drain_held(da_daemon *d, client *c);
+/* Answers a Forward whose items have all completed (its outputs, or r->status) and frees r. */
+void da_ops_forward_done(da_daemon *d, request *r);
+
+#endif /* DA_DAEMON_IMPL_H */

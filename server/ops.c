@@ -1,0 +1,297 @@
+/*
+ * ops.c — detattnd's op handlers and their dispatch table (see daemon.h for the ordering
+ * rules and daemon_impl.h for the state they work on), and the replies.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon_impl.h"
+#include "log.h"
+
+#ifndef DA_SERVER_VERSION
+#define DA_SERVER_VERSION "0.0.0"
+#endif
+
+/* ---- requests and replies ---- */
+
+void da_ops_request_free(da_daemon *d, request *r) {
+  client *c = r->cl;
+  da_wire_request_fini(&r->w);
+  free(r->items);
+  free(r->out);
+  free(r);
+  if (c) {
+    c->n_reqs--;
+    da_daemon_client_maybe_free(d, c);
+  }
+}
+
+void da_ops_send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp) {
+  d->requests++;
+  if (resp->code == 0) d->op_ok[op]++;
+  else {
+    d->errors++;
+    d->op_errors[op]++;
+    da_log_debug("request %llu (%s): %s: %s", (unsigned long long)resp->id, da_op_name(op),
+                 detattn_status_name(resp->code), resp->message ? resp->message : "");
+  }
+  if (d->tr) da_transport_reply(d->tr, ctx, resp);
+}
+
+void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg) {
+  da_wire_response resp = {.id = r->w.id, .code = code, .message = msg};
+  da_ops_send_reply(d, r->ctx, r->w.op, &resp);
+  da_ops_request_free(d, r);
+}
+
+static void reply_ok(da_daemon *d, request *r, da_wire_response *resp) {
+  resp->id = r->w.id;
+  resp->code = 0;
+  resp->op = r->w.op;
+  da_ops_send_reply(d, r->ctx, r->w.op, resp);
+  da_ops_request_free(d, r);
+}
+
+/* ---- op handlers: return 1 when r was answered or admitted, 0 when it must wait ---- */
+
+static int op_hello(da_daemon *d, request *r) {
+  const da_backend_info *in = d->info;
+  int pages = da_kvcache_pages_total(d->kv);
+  da_wire_hello_reply h = {
+      .server_version = DA_SERVER_VERSION,
+      .protocol_version = DETATTN_PROTOCOL_VERSION,
+      .model = d->model,
+      .page_tokens = d->cfg->page_tokens,
+      .backend = in->name,
+      .arch = in->arch,
+      .kernel_version = in->kernel_version,
+      .num = d->num,
+      .fingerprint = in->fingerprint,
+      .max_message_bytes = (uint64_t)d->cfg->max_message_bytes,
+      .max_tokens_per_request = (uint32_t)d->cfg->max_request_tokens,
+      .kv_capacity_tokens = (uint64_t)pages * (uint64_t)d->cfg->page_tokens,
+      .kv_pages = (uint32_t)pages,
+      .max_sequences = (uint32_t)d->max_seqs,
+  };
+  da_log_debug("hello from client %u (%s), protocol %u", r->cl->id, r->w.client_name, r->w.protocol_version);
+  da_wire_response resp = {.hello = &h};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_stats(da_daemon *d, request *r) {
+  da_wire_stats_reply s = {
+      .uptime_ms = (da_now_ns() - d->start_ns) / 1000000u,
+      .requests = d->requests,
+      .errors = d->errors,
+      .forward_tokens = d->forward_tokens,
+      .batches = d->batches,
+      .inrow_rows = d->inrow_rows,
+      .partial_rows = d->partial_rows,
+      .kv_pages_total = (uint32_t)da_kvcache_pages_total(d->kv),
+      .kv_pages_free = (uint32_t)da_kvcache_pages_free(d->kv),
+      .sequences = (uint32_t)da_kvcache_seqs_open(d->kv),
+      .clients = (uint32_t)d->n_clients,
+  };
+  s.kv_pages_used = s.kv_pages_total - s.kv_pages_free;
+  memcpy(s.op_ok, d->op_ok, sizeof(s.op_ok));
+  memcpy(s.op_errors, d->op_errors, sizeof(s.op_errors));
+  da_daemon_summary_get(&d->batch_tokens, &s.batch_tokens);
+  da_daemon_summary_get(&d->batch_requests, &s.batch_requests);
+  da_daemon_summary_get(&d->queue_us, &s.queue_us);
+  da_wire_response resp = {.stats = &s};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_seq_open(da_daemon *d, request *r) {
+  uint32_t h;
+  int rv = da_kvcache_open(d->kv, &h);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  if ((rv = da_daemon_seq_new(d, r->cl, h, &resp.seq)) != 0) {
+    da_ops_reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int not_found(da_daemon *d, request *r, uint64_t wire, const char *field) {
+  char msg[160];
+  snprintf(msg, sizeof(msg), "%s: sequence %llu is not open on this connection", field,
+           (unsigned long long)wire);
+  da_ops_reply_error(d, r, DETATTN_NOT_FOUND, msg);
+  return 1;
+}
+
+static int op_seq_fork(da_daemon *d, request *r) {
+  seq_slot *src = da_daemon_seq_find(d, r->cl, r->w.seq);
+  if (src == NULL) return not_found(d, r, r->w.seq, "seq_fork.src");
+  if (src->pending > 0) return 0;
+  uint32_t h;
+  int rv = da_kvcache_fork(d->kv, (uint32_t)(src - d->seqs), &h);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  if ((rv = da_daemon_seq_new(d, r->cl, h, &resp.seq)) != 0) {
+    da_ops_reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_seq_truncate(da_daemon *d, request *r) {
+  seq_slot *s = da_daemon_seq_find(d, r->cl, r->w.seq);
+  if (s == NULL) return not_found(d, r, r->w.seq, "seq_truncate.seq");
+  if (s->pending > 0) return 0;
+  int rv = da_kvcache_truncate(d->kv, (uint32_t)(s - d->seqs), (int)r->w.length);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
+    return 1;
+  }
+  da_wire_response resp = {0};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_seq_close(da_daemon *d, request *r) {
+  seq_slot *s = da_daemon_seq_find(d, r->cl, r->w.seq);
+  if (s == NULL) return not_found(d, r, r->w.seq, "seq_close.seq");
+  if (s->pending > 0) return 0;
+  da_daemon_seq_release(d, s);
+  da_wire_response resp = {0};
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_forward(da_daemon *d, request *r) {
+  const da_wire_request *w = &r->w;
+  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
+  const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
+  seq_slot **slots = malloc((size_t)w->n_seqs * sizeof(*slots));
+  r->items = calloc((size_t)w->n_seqs, sizeof(*r->items));
+  r->out = malloc((size_t)w->n_tokens * (qrow + (w->want_lse ? lrow : 0)));
+  if (slots == NULL || r->items == NULL || r->out == NULL) {
+    free(slots);
+    da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the forward's outputs");
+    return 1;
+  }
+  char *o = r->out;
+  float *lse = (float *)(o + (size_t)w->n_tokens * qrow);
+  for (int i = 0; i < w->n_seqs; i++) {
+    const da_wire_fwd_seq *fs = &w->seqs[i];
+    char field[48];
+    slots[i] = da_daemon_seq_find(d, r->cl, fs->seq);
+    if (slots[i] == NULL) {
+      free(slots);
+      snprintf(field, sizeof(field), "forward.seqs[%d].seq", i);
+      return not_found(d, r, fs->seq, field);
+    }
+    da_sched_item *it = &r->items[i];
+    it->kv_seq = (uint32_t)(slots[i] - d->seqs);
+    it->wire_seq = fs->seq;
+    it->layer = w->layer;
+    it->pos = fs->pos;
+    it->n = fs->n_tokens;
+    it->q = fs->q;
+    it->k = fs->k;
+    it->v = fs->v;
+    it->o = o;
+    it->lse = w->want_lse ? lse : NULL;
+    it->user = r;
+    o += (size_t)fs->n_tokens * qrow;
+    if (w->want_lse) lse += (size_t)fs->n_tokens * (size_t)d->model.n_q_heads;
+  }
+  char err[256];
+  int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
+  if (rv != 0) {
+    free(slots);
+    da_ops_reply_error(d, r, rv, err);
+    return 1;
+  }
+  for (int i = 0; i < w->n_seqs; i++) slots[i]->pending++;
+  free(slots);
+  r->n_items = r->items_left = w->n_seqs;
+  return 1;
+}
+
+typedef struct op_entry {
+  int (*fn)(da_daemon *d, request *r);
+  int ordered; /* names sequences: runs in the client's arrival order */
+} op_entry;
+
+static const op_entry ops[DA_OP_COUNT] = {
+    [DA_OP_HELLO] = {op_hello, 0},          [DA_OP_STATS] = {op_stats, 0},
+    [DA_OP_SEQ_OPEN] = {op_seq_open, 0},    [DA_OP_SEQ_FORK] = {op_seq_fork, 1},
+    [DA_OP_SEQ_TRUNCATE] = {op_seq_truncate, 1}, [DA_OP_SEQ_CLOSE] = {op_seq_close, 1},
+    [DA_OP_FORWARD] = {op_forward, 1},
+};
+
+static void hold(da_daemon *d, client *c, request *r) {
+  r->next = NULL;
+  if (c->held_tail) c->held_tail->next = r;
+  else c->held_head = r;
+  c->held_tail = r;
+  d->n_held++;
+}
+
+void da_ops_drain_held(da_daemon *d, client *c) {
+  while (c->held_head) {
+    request *r = c->held_head;
+    c->held_head = r->next;
+    if (c->held_head == NULL) c->held_tail = NULL;
+    d->n_held--;
+    if (!ops[r->w.op].fn(d, r)) {
+      r->next = c->held_head;
+      c->held_head = r;
+      if (c->held_tail == NULL) c->held_tail = r;
+      d->n_held++;
+      return;
+    }
+  }
+}
+
+void da_ops_dispatch(da_daemon *d, request *r) {
+  client *c = r->cl;
+  const op_entry *op = &ops[r->w.op];
+  if (op->fn == NULL) {
+    da_ops_reply_error(d, r, DETATTN_UNIMPLEMENTED, "op not implemented");
+    return;
+  }
+  if (op->ordered && c->held_head) hold(d, c, r);
+  else if (!op->fn(d, r)) hold(d, c, r);
+}
+
+void da_ops_forward_done(da_daemon *d, request *r) {
+  if (r->status != 0) {
+    da_ops_reply_error(d, r, r->status, r->err);
+    return;
+  }
+  const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
+  da_wire_fwd_out *outs = calloc((size_t)r->n_items, sizeof(*outs));
+  if (outs == NULL) {
+    da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the reply");
+    return;
+  }
+  for (int i = 0; i < r->n_items; i++) {
+    da_sched_item *x = &r->items[i];
+    outs[i].o = x->o;
+    outs[i].o_len = (size_t)x->n * qrow;
+    if (x->lse) {
+      outs[i].lse = x->lse;
+      outs[i].lse_len = (size_t)x->n * (size_t)d->model.n_q_heads * sizeof(float);
+    }
+  }
+  d->forward_tokens += (uint64_t)r->w.n_tokens;
+  da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
+  reply_ok(d, r, &resp);
+  free(outs);
+}
