@@ -1,8 +1,9 @@
 /*
  * testutil.h — helpers shared by the detattn test suites (static library da_testutil).
  *
- * An fp64 reference attention over plain contiguous K/V, random page tables, seeded random
- * tensors, bitwise comparison and relative error. Everything is single-threaded, allocates
+ * The Check runner every test program's main() ends with, an fp64 reference attention over
+ * plain contiguous K/V, random page tables, seeded random tensors, bitwise comparison and
+ * relative error. Everything is single-threaded, allocates
  * only where it says so, and never touches a backend: tests build their batches with it and
  * run them through kernels/backend.h themselves.
  *
@@ -17,6 +18,19 @@
 #include <stdint.h>
 
 #include "da.h"
+
+/* Check's types (<check.h> declares the same typedefs); tests include <check.h> themselves. */
+typedef struct Suite Suite;
+typedef struct SRunner SRunner;
+
+/* Runs every test of s that Check's environment selects (CK_RUN_SUITE, CK_RUN_CASE; CK_FORK
+ * and CK_VERBOSITY apply too), frees the runner and s, and returns the process exit status:
+ * 0 when at least one test ran and none failed, 1 otherwise. A run that selects no test is a
+ * failure (it says so on stderr), so that a ctest entry whose CK_RUN_CASE names no tcase
+ * cannot pass. */
+int da_test_run(Suite *s);
+/* The same for a runner holding several suites (srunner_add_suite); frees sr. */
+int da_test_run_runner(SRunner *sr);
 
 /* The seed for a test: the environment variable DETATTN_TEST_SEED (decimal or 0x hex) if it
  * is set, else deflt. Print it in every failure message so a failure can be replayed. */

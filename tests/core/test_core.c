@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include "da.h"
+#include "testutil.h"
 
 START_TEST(fp16_round_trips_every_finite_value) {
   for (uint32_t h = 0; h < 0x10000u; h++) {
@@ -139,9 +140,5 @@ int main(void) {
   tcase_add_test(tc, status_names_follow_the_map);
   tcase_add_test(tc, rng_is_seeded_and_spread);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return da_test_run(s);
 }

@@ -797,10 +797,5 @@ static Suite *daemon_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(daemon_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr), ran = srunner_ntests_run(sr);
-  srunner_free(sr);
-  if (ran == 0) fprintf(stderr, "no test ran: CK_RUN_CASE names no tcase of this suite\n");
-  return failed || ran == 0 ? 1 : 0;
+  return da_test_run(daemon_suite());
 }

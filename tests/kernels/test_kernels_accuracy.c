@@ -89,9 +89,5 @@ int main(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_loop_test(tc, output_matches_fp64_reference, 0, (int)(sizeof(cases) / sizeof(cases[0])));
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

@@ -196,9 +196,5 @@ int main(void) {
                       (int)(sizeof(run_cases) / sizeof(run_cases[0])));
   tcase_add_test(tc, info_names_backend_and_fingerprints_numerics);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

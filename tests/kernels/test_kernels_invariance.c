@@ -366,9 +366,5 @@ int main(void) {
   tcase_add_loop_test(tc, fork_by_page_copy_gives_same_bits_as_fresh_sequence, 0, N_CASES);
   tcase_add_loop_test(tc, truncate_and_reappend_gives_same_bits, 0, N_CASES);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

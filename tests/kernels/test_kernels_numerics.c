@@ -232,9 +232,5 @@ int main(void) {
   tcase_add_test(tc, grouped_rows_give_the_same_bits_as_single_rows);
   tcase_add_test(tc, tile_updates_in_two_tiles_match_fp64_softmax);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

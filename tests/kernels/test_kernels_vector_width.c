@@ -68,9 +68,5 @@ int main(void) {
   tcase_add_loop_test(tc, sse2_and_default_builds_give_same_bits, 0,
                       (int)(sizeof(cases) / sizeof(cases[0])));
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

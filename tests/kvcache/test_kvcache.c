@@ -754,9 +754,5 @@ int main(int argc, char **argv) {
   SRunner *sr = srunner_create(NULL);
   if (strcmp(which, "unit") == 0 || strcmp(which, "all") == 0) srunner_add_suite(sr, unit_suite());
   if (strcmp(which, "model") == 0 || strcmp(which, "all") == 0) srunner_add_suite(sr, model_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  int run = srunner_ntests_run(sr);
-  srunner_free(sr);
-  return failed == 0 && run > 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return da_test_run_runner(sr);
 }

@@ -285,9 +285,5 @@ int main(void) {
   tcase_add_loop_test(tc, truncate_then_reappend_equals_never_truncated, 0, 3);
   tcase_set_timeout(tc, 60);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return da_test_run(s);
 }

@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "testutil.h"
 #include "workload.h"
 
 enum { N_DAEMONS = 3 };
@@ -389,9 +390,5 @@ int main(void) {
     tcase_add_test(tc, cases[i].t);
     suite_add_tcase(s, tc);
   }
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

@@ -12,6 +12,7 @@
 
 #include "hist.h"
 #include "record.h"
+#include "testutil.h"
 #include "workload.h"
 
 static uint64_t seed_from_env(void) {
@@ -408,9 +409,5 @@ int main(void) {
   tcase_add_test(r, record_compare_finds_the_first_planted_difference);
   tcase_add_test(r, record_load_rejects_a_truncated_file);
   suite_add_tcase(s, r);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

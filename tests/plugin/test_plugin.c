@@ -17,6 +17,7 @@
 #include "da.h"
 #include "detattn.h"
 #include "detattn.pb-c.h"
+#include "testutil.h"
 
 typedef Detattn__V1__Request Request;
 typedef Detattn__V1__Response Response;
@@ -589,9 +590,5 @@ static Suite *plugin_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(plugin_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(plugin_suite());
 }

@@ -10,6 +10,7 @@
 
 #include "config.h"
 #include "da.h"
+#include "testutil.h"
 
 static da_config cfg;
 static char err[1024];
@@ -246,9 +247,5 @@ int main(void) {
   tcase_add_test(tc, help_stops_parsing_and_lists_every_flag);
   tcase_add_test(tc, example_config_parses_back_to_the_defaults);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

@@ -614,9 +614,5 @@ int main(int argc, char **argv) {
   tcase_add_test(tc, second_daemon_on_the_same_ipc_path_fails_and_the_first_keeps_serving);
   tcase_add_test(tc, sigterm_answers_everything_sent_then_exits_zero);
   suite_add_tcase(su, tc);
-  SRunner *sr = srunner_create(su);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(su);
 }

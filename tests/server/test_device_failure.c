@@ -211,9 +211,5 @@ int main(int argc, char **argv) {
   tcase_add_test(tc, the_failing_batch_is_answered_unavailable_and_the_daemon_exits_3);
   tcase_add_test(tc, forwards_in_flight_from_several_clients_are_all_answered_when_the_device_fails);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

@@ -510,9 +510,5 @@ int main(void) {
   tcase_add_test(tc, partial_needs_free_accumulator_slots);
   tcase_add_test(tc, cancel_drops_unstarted_items_and_keeps_the_started_one);
   suite_add_tcase(su, tc);
-  SRunner *sr = srunner_create(su);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(su);
 }

@@ -405,9 +405,5 @@ int main(void) {
   tcase_add_test(tc, hello_and_stats_replies_round_trip);
   tcase_add_test(tc, forward_reply_encodes_outputs_bit_for_bit);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return da_test_run(s);
 }

@@ -1,0 +1,14 @@
+#include <check.h>
+#include <stdio.h>
+
+#include "testutil.h"
+
+int da_test_run_runner(SRunner *sr) {
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr), ran = srunner_ntests_run(sr);
+  srunner_free(sr);
+  if (ran == 0) fprintf(stderr, "no test ran: CK_RUN_SUITE or CK_RUN_CASE selects no tcase of this program\n");
+  return failed || ran == 0 ? 1 : 0;
+}
+
+int da_test_run(Suite *s) { return da_test_run_runner(srunner_create(s)); }
