@@ -105,6 +105,18 @@ static int op_stats(da_daemon *d, request *r) {
   return 1;
 }
 
+/* Answers r with a fresh wire id for KV cache handle h, just opened or forked. */
+static int reply_new_seq(da_daemon *d, request *r, uint32_t h) {
+  da_wire_response resp = {0};
+  int rv = da_daemon_seq_new(d, r->cl, h, &resp.seq);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
 static int op_seq_open(da_daemon *d, request *r) {
   uint32_t h;
   int rv = da_kvcache_open(d->kv, &h);
@@ -112,13 +124,7 @@ static int op_seq_open(da_daemon *d, request *r) {
     da_ops_reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
     return 1;
   }
-  da_wire_response resp = {0};
-  if ((rv = da_daemon_seq_new(d, r->cl, h, &resp.seq)) != 0) {
-    da_ops_reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
-    return 1;
-  }
-  reply_ok(d, r, &resp);
-  return 1;
+  return reply_new_seq(d, r, h);
 }
 
 static int not_found(da_daemon *d, request *r, uint64_t wire, const char *field) {
@@ -139,13 +145,7 @@ static int op_seq_fork(da_daemon *d, request *r) {
     da_ops_reply_error(d, r, rv, da_kvcache_errmsg(d->kv));
     return 1;
   }
-  da_wire_response resp = {0};
-  if ((rv = da_daemon_seq_new(d, r->cl, h, &resp.seq)) != 0) {
-    da_ops_reply_error(d, r, rv, "KV cache handle out of the sequence table's range");
-    return 1;
-  }
-  reply_ok(d, r, &resp);
-  return 1;
+  return reply_new_seq(d, r, h);
 }
 
 static int op_seq_truncate(da_daemon *d, request *r) {
