@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 uint64_t da_test_seed(uint64_t deflt) {
   const char *s = getenv("DETATTN_TEST_SEED");
@@ -156,4 +157,9 @@ void da_test_poison(da_dtype t, void *dst, size_t n) {
 
 void da_test_poison_f32(float *dst, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] = NAN;
+}
+
+void da_test_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
 }

@@ -1,7 +1,7 @@
 /*
  * testutil.h — helpers shared by the detattn test suites (static library da_testutil).
  *
- * The Check runner every test program's main() ends with, an fp64 reference attention over
+ * The Check runner every test program's main() ends with, small file and time helpers, an fp64 reference attention over
  * plain contiguous K/V, random page tables, seeded random tensors, bitwise comparison and
  * relative error. Everything is single-threaded, allocates
  * only where it says so, and never touches a backend: tests build their batches with it and
@@ -31,6 +31,12 @@ typedef struct SRunner SRunner;
 int da_test_run(Suite *s);
 /* The same for a runner holding several suites (srunner_add_suite); frees sr. */
 int da_test_run_runner(SRunner *sr);
+/* Writes text to the file at path (created or truncated); a Check assertion fails the
+ * test if the file cannot be opened. */
+void da_test_write_file(const char *path, const char *text);
+
+/* Sleeps ms milliseconds (nanosleep; a signal may cut it short). */
+void da_test_sleep_ms(int ms);
 
 /* The seed for a test: the environment variable DETATTN_TEST_SEED (decimal or 0x hex) if it
  * is set, else deflt. Print it in every failure message so a failure can be replayed. */

@@ -11,10 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
+#include "testutil.h"
 
 void da_daemon_dump_log(const da_daemon_proc *d) {
   FILE *f = fopen(d->log, "r");
@@ -26,7 +23,7 @@ void da_daemon_dump_log(const da_daemon_proc *d) {
   fclose(f);
 }
 
-static int log_has(const da_daemon_proc *d, const char *needle) {
+int da_daemon_log_has(const da_daemon_proc *d, const char *needle) {
   FILE *f = fopen(d->log, "r");
   char line[512];
   int found = 0;
@@ -69,7 +66,7 @@ int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *
   }
   d->pid = pid;
   for (int waited = 0; waited < 15000; waited += 20) {
-    if (log_has(d, "listening on")) return 0;
+    if (da_daemon_log_has(d, "listening on")) return 0;
     int status;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       d->pid = 0;
@@ -78,7 +75,7 @@ int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *
       da_daemon_dump_log(d);
       return -1;
     }
-    sleep_ms(20);
+    da_test_sleep_ms(20);
   }
   fprintf(stderr, "detattnd did not print 'listening on' within 15 s\n");
   da_daemon_dump_log(d);
@@ -95,7 +92,7 @@ int da_daemon_wait(da_daemon_proc *d, int timeout_ms) {
       d->exit_status = status;
       return 0;
     }
-    sleep_ms(10);
+    da_test_sleep_ms(10);
   }
   return -1;
 }

@@ -27,5 +27,7 @@ int da_daemon_wait(da_daemon_proc *d, int timeout_ms);
 void da_daemon_stop(da_daemon_proc *d);
 /* Prints the last lines of the daemon's log to stderr. */
 void da_daemon_dump_log(const da_daemon_proc *d);
+/* 1 when a line of the daemon's log so far contains needle, else 0 (also when there is no log). */
+int da_daemon_log_has(const da_daemon_proc *d, const char *needle);
 
 #endif /* DA_DAEMON_PROC_H */

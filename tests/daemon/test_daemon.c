@@ -32,11 +32,6 @@
 static da_daemon_proc D, D2, D3;
 static uint64_t seed;
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 static void start_daemon(const char *const *args) {
   seed = da_test_seed(0x5eedda17ull);
   if (da_daemon_start(&D, DETATTND_PATH, args) != 0) ck_abort_msg("detattnd did not start");
@@ -663,7 +658,7 @@ START_TEST(killed_client_pages_return_to_the_pool) {
   do {
     s = stats_ok(c);
     if (s.kv_pages_used == 0 && s.sequences == 0) break;
-    sleep_ms(20);
+    da_test_sleep_ms(20);
   } while (da_now_ns() < deadline);
   ck_assert_msg(s.kv_pages_used == 0 && s.sequences == 0,
                 "10 s after the client died: %u KV pages used, %u sequences open", s.kv_pages_used, s.sequences);
@@ -711,11 +706,11 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
   detattn_call *call;
   uint64_t t0 = da_now_ns();
   ck_assert_int_eq(detattn_forward_start(c, 0, &io, 1, &call), DETATTN_OK);
-  sleep_ms(100);
+  da_test_sleep_ms(100);
   detattn_stats s = stats_ok(c);
   ck_assert_msg(s.forwards == 0, "the forward finished within 100 ms: it cannot be in flight at SIGTERM");
   ck_assert_int_eq(kill(D.pid, SIGTERM), 0);
-  sleep_ms(50);
+  da_test_sleep_ms(50);
 
   /* New work while draining (or after exit: no connection): UNAVAILABLE. */
   detattn_set_timeout(c, 3000);

@@ -33,11 +33,6 @@ static char dir[64];
 
 enum { LAYERS = 2, QH = 4, KVH = 2, HD = 64 };
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 static int file_contains(const char *path, const char *needle) {
   FILE *f = fopen(path, "r");
   if (!f) return 0;
@@ -67,7 +62,7 @@ static void stop(pid_t pid) {
   kill(pid, SIGTERM);
   for (int i = 0; i < 50; i++) {
     if (waitpid(pid, NULL, WNOHANG) == pid) return;
-    sleep_ms(100);
+    da_test_sleep_ms(100);
   }
   kill(pid, SIGKILL);
   waitpid(pid, NULL, 0);
@@ -96,7 +91,7 @@ static void start_daemons(void) {
         daemon_pid[i] = 0;
         break;
       }
-      if (!ready) sleep_ms(50);
+      if (!ready) da_test_sleep_ms(50);
     }
     if (!ready) {
       fprintf(stderr, "daemon %s did not start; its log:\n", daemon_names[i]);
@@ -143,7 +138,7 @@ static int run_load(const char *tag, const char *url, const char *const *args) {
       if (system(cmd) != 0) fprintf(stderr, "(no output)\n");
       return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
     }
-    sleep_ms(100);
+    da_test_sleep_ms(100);
   }
   fprintf(stderr, "detattn-load (%s) did not finish in 50 s; its output and the daemon logs:\n", tag);
   char cmd[512];

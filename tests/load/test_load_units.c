@@ -207,18 +207,11 @@ static void remove_tmpdir(void) {
   if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", tmpdir);
 }
 
-static void write_file(const char *path, const char *text) {
-  FILE *f = fopen(path, "w");
-  ck_assert_ptr_nonnull(f);
-  fputs(text, f);
-  fclose(f);
-}
-
 START_TEST(trace_csv_loads_and_bad_line_is_named) {
   make_tmpdir();
   char path[128], msg[256];
   snprintf(path, sizeof(path), "%s/trace.csv", tmpdir);
-  write_file(path, "prompt,output\n# comment\n100,20\n\n 7 , 3\n512,1\n");
+  da_test_write_file(path, "prompt,output\n# comment\n100,20\n\n 7 , 3\n512,1\n");
   da_trace_entry *t = NULL;
   size_t n = 0;
   ck_assert_int_eq(da_trace_load(path, &t, &n, msg, sizeof(msg)), DETATTN_OK);
@@ -234,12 +227,12 @@ START_TEST(trace_csv_loads_and_bad_line_is_named) {
   ck_assert(p == 7 && o == 3);
   free(t);
 
-  write_file(path, "10,2\n11,0\n");
+  da_test_write_file(path, "10,2\n11,0\n");
   t = NULL;
   ck_assert_int_eq(da_trace_load(path, &t, &n, msg, sizeof(msg)), DETATTN_INVALID_ARGUMENT);
   ck_assert_msg(strstr(msg, "line 2") != NULL, "message: %s", msg);
   ck_assert_ptr_null(t);
-  write_file(path, "# nothing\n");
+  da_test_write_file(path, "# nothing\n");
   ck_assert_int_eq(da_trace_load(path, &t, &n, msg, sizeof(msg)), DETATTN_INVALID_ARGUMENT);
   snprintf(path, sizeof(path), "%s/missing.csv", tmpdir);
   ck_assert_int_eq(da_trace_load(path, &t, &n, msg, sizeof(msg)), DETATTN_NOT_FOUND);
@@ -380,7 +373,7 @@ START_TEST(record_load_rejects_a_truncated_file) {
   ck_assert_int_eq(da_record_load(&b, path, msg, sizeof(msg)), DETATTN_DATA_LOSS);
   ck_assert_msg(strstr(msg, "line") != NULL, "message: %s", msg);
   ck_assert_uint_eq(b.n_seqs, 0);
-  write_file(path, "detattn-load-record 2\n");
+  da_test_write_file(path, "detattn-load-record 2\n");
   ck_assert_int_eq(da_record_load(&b, path, msg, sizeof(msg)), DETATTN_DATA_LOSS);
   snprintf(path, sizeof(path), "%s/none.rec", tmpdir);
   ck_assert_int_eq(da_record_load(&b, path, msg, sizeof(msg)), DETATTN_NOT_FOUND);

@@ -23,13 +23,6 @@ static int load(char *const argv[], char *const envp[]) {
   return da_config_load(&cfg, argc, argv, envp, err, sizeof(err));
 }
 
-static void write_file(const char *text) {
-  FILE *f = fopen(cfg_path, "w");
-  ck_assert_ptr_nonnull(f);
-  fputs(text, f);
-  fclose(f);
-}
-
 static void setup(void) {
   snprintf(cfg_path, sizeof(cfg_path), "/tmp/detattn-test-config-%d.ini", (int)getpid());
 }
@@ -65,7 +58,7 @@ START_TEST(default_listen_uses_xdg_runtime_dir_then_tmp) {
 END_TEST
 
 START_TEST(file_overrides_defaults) {
-  write_file("; comment\n[detattnd]\nlayers = 7\ndtype = fp16\nsoftcap = 30.5\nlisten = tcp://127.0.0.1:0\n");
+  da_test_write_file(cfg_path, "; comment\n[detattnd]\nlayers = 7\ndtype = fp16\nsoftcap = 30.5\nlisten = tcp://127.0.0.1:0\n");
   char *argv[] = {"detattnd", "--config", cfg_path, NULL};
   ck_assert_msg(load(argv, NULL) == 0, "%s", err);
   ck_assert_int_eq(cfg.layers, 7);
@@ -76,7 +69,7 @@ START_TEST(file_overrides_defaults) {
 END_TEST
 
 START_TEST(env_overrides_file_and_flags_override_env) {
-  write_file("layers = 7\nkv-tokens = 4096\nq-heads = 16\n");
+  da_test_write_file(cfg_path, "layers = 7\nkv-tokens = 4096\nq-heads = 16\n");
   char *env[] = {"DETATTND_LAYERS=9", "DETATTND_KV_TOKENS=2048", NULL};
   char *argv[] = {"detattnd", "--config", cfg_path, "--layers", "11", NULL};
   ck_assert_msg(load(argv, env) == 0, "%s", err);
@@ -87,7 +80,7 @@ START_TEST(env_overrides_file_and_flags_override_env) {
 END_TEST
 
 START_TEST(config_file_may_come_from_the_environment) {
-  write_file("head-dim = 64\n");
+  da_test_write_file(cfg_path, "head-dim = 64\n");
   char env[300];
   snprintf(env, sizeof(env), "DETATTND_CONFIG=%s", cfg_path);
   char *envp[] = {env, NULL};
@@ -125,13 +118,13 @@ START_TEST(env_out_of_bounds_names_the_variable) {
 END_TEST
 
 START_TEST(file_errors_name_file_and_line) {
-  write_file("layers = 4\n\nhead-dim = 5000\n");
+  da_test_write_file(cfg_path, "layers = 4\n\nhead-dim = 5000\n");
   char *argv[] = {"detattnd", "--config", cfg_path, NULL};
   ck_assert_int_eq(load(argv, NULL), DETATTN_INVALID_ARGUMENT);
   char want[300];
   snprintf(want, sizeof(want), "%s:3:", cfg_path);
   ck_assert_msg(strstr(err, want) && strstr(err, "head-dim"), "%s", err);
-  write_file("no-such-setting = 1\n");
+  da_test_write_file(cfg_path, "no-such-setting = 1\n");
   ck_assert_int_eq(load(argv, NULL), DETATTN_INVALID_ARGUMENT);
   ck_assert_msg(strstr(err, "no-such-setting"), "%s", err);
 }

@@ -65,15 +65,6 @@ static void assert_exits_3(void) {
   ck_assert_msg(WIFEXITED(st) && WEXITSTATUS(st) == 3, "detattnd exit status 0x%x, want exit 3", st);
 }
 
-static int log_has(const char *needle) {
-  FILE *f = fopen(D.log, "r");
-  char line[512];
-  int found = 0;
-  while (f && !found && fgets(line, sizeof line, f)) found = strstr(line, needle) != NULL;
-  if (f) fclose(f);
-  return found;
-}
-
 static int is_device_error(int st) { return st == DETATTN_UNAVAILABLE || st == DETATTN_INTERNAL; }
 
 START_TEST(the_failing_batch_is_answered_unavailable_and_the_daemon_exits_3) {
@@ -186,8 +177,8 @@ START_TEST(forwards_in_flight_from_several_clients_are_all_answered_when_the_dev
     }
   ck_assert_msg(n_failed > 0 && n_named > 0, "%d ok, %d failed, %d naming the injected failure", n_ok, n_failed,
                 n_named);
-  if (!log_has("2 in the worker")) da_daemon_dump_log(&D);
-  ck_assert_msg(log_has("2 in the worker"), "no second batch was handed to the worker while one ran");
+  if (!da_daemon_log_has(&D, "2 in the worker")) da_daemon_dump_log(&D);
+  ck_assert_msg(da_daemon_log_has(&D, "2 in the worker"), "no second batch was handed to the worker while one ran");
   for (int i = 0; i < N_CLIENTS; i++) {
     detattn_close(c[i]);
     for (int j = 0; j < PER_CLIENT; j++)

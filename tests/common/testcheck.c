@@ -1,3 +1,4 @@
+/* The helpers of testutil.h that use Check; the rest are in testutil.c. */
 #include <check.h>
 #include <stdio.h>
 
@@ -12,3 +13,10 @@ int da_test_run_runner(SRunner *sr) {
 }
 
 int da_test_run(Suite *s) { return da_test_run_runner(srunner_create(s)); }
+
+void da_test_write_file(const char *path, const char *text) {
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fputs(text, f);
+  fclose(f);
+}
