@@ -706,11 +706,18 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
   detattn_call *call;
   uint64_t t0 = da_now_ns();
   ck_assert_int_eq(detattn_forward_start(c, 0, &io, 1, &call), DETATTN_OK);
-  da_test_sleep_ms(100);
+  /* Wait until the daemon has admitted the forward (its pages are reserved), however long
+   * a loaded machine takes to send 12 MB; it must still be running when SIGTERM lands. */
   detattn_stats s = stats_ok(c);
-  ck_assert_msg(s.forwards == 0, "the forward finished within 100 ms: it cannot be in flight at SIGTERM");
+  for (int i = 0; i < 2000 && s.kv_pages_used == 0; i++) {
+    da_test_sleep_ms(5);
+    s = stats_ok(c);
+  }
+  ck_assert_msg(s.kv_pages_used > 0, "the forward was not admitted within 10 s");
+  ck_assert_msg(s.forwards == 0, "the forward finished before SIGTERM: it cannot be in flight");
   ck_assert_int_eq(kill(D.pid, SIGTERM), 0);
-  da_test_sleep_ms(50);
+  for (int i = 0; i < 2000 && !da_daemon_log_has(&D, "draining"); i++) da_test_sleep_ms(5);
+  ck_assert_msg(da_daemon_log_has(&D, "draining"), "detattnd did not log that it is draining");
 
   /* New work while draining (or after exit: no connection): UNAVAILABLE. */
   detattn_set_timeout(c, 3000);
