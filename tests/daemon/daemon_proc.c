@@ -110,6 +110,8 @@ void da_daemon_stop(da_daemon_proc *d) {
   if (d->dir[0]) {
     snprintf(path, sizeof path, "%s/detattnd.sock", d->dir);
     unlink(path);
+    snprintf(path, sizeof path, "%s/detattnd.sock.lock", d->dir);
+    unlink(path);
     unlink(d->log);
     rmdir(d->dir);
     d->dir[0] = '\0';

@@ -123,7 +123,10 @@ END_TEST
 #define N_CLIENTS 4
 #define PER_CLIENT 3
 
-START_TEST(forwards_in_flight_from_several_clients_are_all_answered_when_the_device_fails) {
+/* One run of the scenario: every forward is answered (OK before the failure, UNAVAILABLE or
+ * INTERNAL with a message after it) and the daemon exits 3. Returns whether the daemon had
+ * two batches in the worker at some point, which depends on timing. */
+static int several_clients_scenario(void) {
   start("2");
   detattn_client *c[N_CLIENTS];
   uint64_t seq[N_CLIENTS];
@@ -177,14 +180,27 @@ START_TEST(forwards_in_flight_from_several_clients_are_all_answered_when_the_dev
     }
   ck_assert_msg(n_failed > 0 && n_named > 0, "%d ok, %d failed, %d naming the injected failure", n_ok, n_failed,
                 n_named);
-  if (!da_daemon_log_has(&D, "2 in the worker")) da_daemon_dump_log(&D);
-  ck_assert_msg(da_daemon_log_has(&D, "2 in the worker"), "no second batch was handed to the worker while one ran");
+  int two_in_worker = da_daemon_log_has(&D, "2 in the worker");
   for (int i = 0; i < N_CLIENTS; i++) {
     detattn_close(c[i]);
     for (int j = 0; j < PER_CLIENT; j++)
       for (int b = 0; b < 4; b++) free(bufs[i][j][b]);
   }
   assert_exits_3();
+  return two_in_worker;
+}
+
+START_TEST(forwards_in_flight_from_several_clients_are_all_answered_when_the_device_fails) {
+  /* The two-batches-in-the-worker path must be among the runs; on a loaded machine one run
+   * may form its batches one at a time, so try a few fresh daemons. */
+  enum { ATTEMPTS = 5 };
+  int hit = 0;
+  for (int a = 0; a < ATTEMPTS && !hit; a++) {
+    hit = several_clients_scenario();
+    if (!hit) da_daemon_dump_log(&D);
+    da_daemon_stop(&D);
+  }
+  ck_assert_msg(hit, "no second batch was handed to the worker while one ran, in %d runs", ATTEMPTS);
 }
 END_TEST
 
