@@ -389,6 +389,72 @@ START_TEST(forward_reply_encodes_outputs_bit_for_bit) {
 }
 END_TEST
 
+/* Reads every byte of a tensor the decoder handed out, so ASan checks its bounds. */
+static unsigned touch(const void *p, size_t n) {
+  const unsigned char *b = p;
+  unsigned x = 0;
+  for (size_t i = 0; i < n; i++) x += b[i];
+  return x;
+}
+
+START_TEST(mutated_requests_decode_to_a_status_and_consistent_fields) {
+  da_rng r;
+  da_rng_seed(&r, seed);
+  const da_model *m = &lim.model;
+  const size_t qrow = (size_t)m->n_q_heads * m->head_dim * 2, kvrow = (size_t)m->n_kv_heads * m->head_dim * 2;
+  int n_ok = 0, n_bad = 0;
+  unsigned sink = 0;
+  for (int iter = 0; iter < 4000; iter++) {
+    fwd_builder b;
+    build_forward(&b, &r, (int)da_rng_range(&r, 1, 3), 4);
+    size_t len;
+    uint8_t *buf = pack(&b.req, &len);
+    /* A few random edits: flip a bit, overwrite a byte, cut the tail, or splice a varint. */
+    int edits = (int)da_rng_range(&r, 1, 4);
+    for (int e = 0; e < edits && len > 0; e++) {
+      size_t at = (size_t)da_rng_range(&r, 0, (int64_t)len - 1);
+      switch (da_rng_range(&r, 0, 3)) {
+      case 0: buf[at] ^= (uint8_t)(1u << da_rng_range(&r, 0, 7)); break;
+      case 1: buf[at] = (uint8_t)da_rng_u64(&r); break;
+      case 2: len = at; break;
+      default: buf[at] = (uint8_t)(0x80 | da_rng_u64(&r)); break;
+      }
+    }
+    da_wire_request w;
+    int st = da_wire_decode(&lim, buf, len, &w);
+    ck_assert_int_eq(st, w.status);
+    if (st != 0) {
+      ck_assert_msg(st == DETATTN_INVALID_ARGUMENT || st == DETATTN_RESOURCE_EXHAUSTED,
+                    "iteration %d: status %s (seed %llu)", iter, detattn_status_name(st), (unsigned long long)seed);
+      ck_assert_msg(w.err[0] != '\0', "iteration %d: %s without a message", iter, detattn_status_name(st));
+      n_bad++;
+    } else {
+      ck_assert_int_gt(w.op, DA_OP_INVALID);
+      ck_assert_int_lt(w.op, DA_OP_COUNT);
+      if (w.op == DA_OP_FORWARD) {
+        ck_assert(w.layer >= 0 && w.layer < m->n_layers);
+        int total = 0;
+        for (int i = 0; i < w.n_seqs; i++) {
+          const da_wire_fwd_seq *q = &w.seqs[i];
+          ck_assert(q->n_tokens > 0 && q->pos >= 0);
+          total += q->n_tokens;
+          sink += touch(q->q, (size_t)q->n_tokens * qrow) + touch(q->k, (size_t)q->n_tokens * kvrow) +
+                  touch(q->v, (size_t)q->n_tokens * kvrow);
+        }
+        ck_assert_int_eq(total, w.n_tokens);
+        ck_assert_int_le(total, lim.max_request_tokens);
+      }
+      n_ok++;
+    }
+    da_wire_request_fini(&w);
+    free(buf);
+    free_forward(&b);
+  }
+  /* The edits must exercise both outcomes, or the test says nothing. */
+  ck_assert_msg(n_ok > 50 && n_bad > 500, "%d decoded, %d rejected (sink %u)", n_ok, n_bad, sink);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("server_wire");
   TCase *tc = tcase_create("wire");
@@ -404,6 +470,7 @@ int main(void) {
   tcase_add_test(tc, error_reply_carries_code_and_message_only);
   tcase_add_test(tc, hello_and_stats_replies_round_trip);
   tcase_add_test(tc, forward_reply_encodes_outputs_bit_for_bit);
+  tcase_add_test(tc, mutated_requests_decode_to_a_status_and_consistent_fields);
   suite_add_tcase(s, tc);
   return da_test_run(s);
 }
