@@ -685,6 +685,7 @@ static void setup_sigterm(void) {
 
 START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
   detattn_client *c = connect_ok();
+  detattn_set_timeout(c, 45000); /* the in-flight prefill takes ~1 s, ~25 s under ThreadSanitizer */
   detattn_server_info info;
   uint64_t seq, seq2;
   da_rng r;
@@ -700,7 +701,10 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
   da_rng_fill(&r, DA_BF16, v, TERM_TOKENS * kvn, 1.0);
   da_test_poison(DA_BF16, o, TERM_TOKENS * qn);
   ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
-  ck_assert_int_eq(detattn_seq_open(c, &seq2), DETATTN_OK);
+  /* A second connection sends the request after SIGTERM, with a short timeout of its own:
+   * the in-flight forward keeps the default one (a slow build may take seconds). */
+  detattn_client *c2 = connect_ok();
+  ck_assert_int_eq(detattn_seq_open(c2, &seq2), DETATTN_OK);
 
   detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = TERM_TOKENS, .q = q, .k = k, .v = v, .o = o, .lse = lse};
   detattn_call *call;
@@ -720,11 +724,12 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
   ck_assert_msg(da_daemon_log_has(&D, "draining"), "detattnd did not log that it is draining");
 
   /* New work while draining (or after exit: no connection): UNAVAILABLE. */
-  detattn_set_timeout(c, 3000);
+  detattn_set_timeout(c2, 3000);
   detattn_seq_io io2 = {.seq = seq2, .pos = 0, .n_tokens = 1, .q = q, .k = k, .v = v, .o = o + qn};
   uint16_t o2[8 * 128];
   io2.o = o2;
-  expect(detattn_forward(c, 0, &io2, 1), DETATTN_UNAVAILABLE, "a forward sent after SIGTERM");
+  expect(detattn_forward(c2, 0, &io2, 1), DETATTN_UNAVAILABLE, "a forward sent after SIGTERM");
+  detattn_close(c2);
 
   int st = detattn_call_wait(call);
   ck_assert_msg(st == DETATTN_OK, "the in-flight forward: %s: %s", detattn_status_name(st), detattn_errmsg());
