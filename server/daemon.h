@@ -25,7 +25,7 @@
  * setting --fail-after-batches N makes batch N and later fail this way without a device.
  *
  * Batches: the worker holds up to two (worker.h). When it is idle, a batch is formed as
- * soon as the wait window allows; while one runs, the next is formed once a full batch is
+ * soon as the wait window allows; while one runs, the next is formed from whatever work is
  * waiting and handed over at once, so its staging overlaps the running one's kernels.
  */
 #ifndef DA_DAEMON_H
