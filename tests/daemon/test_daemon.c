@@ -755,51 +755,28 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
 END_TEST
 
 static Suite *daemon_suite(void) {
+  /* One test case per ctest entry (CK_RUN_CASE), each with the daemon its fixture starts. */
+  const struct {
+    const char *name;
+    void (*setup)(void);
+    const TTest *tests[2];
+  } cases[] = {
+      {"verify", setup_verify, {eight_concurrent_clients_match_the_one_at_a_time_pass_bitwise, NULL}},
+      {"cli", setup_verify, {cli_verify_exits_zero_and_reports_json, cli_forward_from_files_matches_the_library_bitwise}},
+      {"ipcbench", setup_verify, {ipc_bench_is_bounded_and_reports_both_loops, NULL}},
+      {"ab", setup_verify, {ab_equal_fingerprints_give_equal_bits_and_other_splits_are_caught, NULL}},
+      {"bad_input", setup_bad, {each_bad_request_gets_its_code_and_writes_nothing, NULL}},
+      {"client_killed", setup_killed, {killed_client_pages_return_to_the_pool, NULL}},
+      {"sigterm", setup_sigterm, {sigterm_finishes_in_flight_work_refuses_new_and_exits_zero, NULL}},
+  };
   Suite *s = suite_create("daemon");
-  TCase *t;
-
-  t = tcase_create("verify");
-  tcase_add_checked_fixture(t, setup_verify, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, eight_concurrent_clients_match_the_one_at_a_time_pass_bitwise);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("cli");
-  tcase_add_checked_fixture(t, setup_verify, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, cli_verify_exits_zero_and_reports_json);
-  tcase_add_test(t, cli_forward_from_files_matches_the_library_bitwise);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("ipcbench");
-  tcase_add_checked_fixture(t, setup_verify, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, ipc_bench_is_bounded_and_reports_both_loops);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("ab");
-  tcase_add_checked_fixture(t, setup_verify, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, ab_equal_fingerprints_give_equal_bits_and_other_splits_are_caught);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("bad_input");
-  tcase_add_checked_fixture(t, setup_bad, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, each_bad_request_gets_its_code_and_writes_nothing);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("client_killed");
-  tcase_add_checked_fixture(t, setup_killed, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, killed_client_pages_return_to_the_pool);
-  suite_add_tcase(s, t);
-
-  t = tcase_create("sigterm");
-  tcase_add_checked_fixture(t, setup_sigterm, teardown);
-  tcase_set_timeout(t, 50);
-  tcase_add_test(t, sigterm_finishes_in_flight_work_refuses_new_and_exits_zero);
-  suite_add_tcase(s, t);
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    TCase *t = tcase_create(cases[i].name);
+    tcase_add_checked_fixture(t, cases[i].setup, teardown);
+    tcase_set_timeout(t, 50);
+    for (int j = 0; j < 2 && cases[i].tests[j]; j++) tcase_add_test(t, cases[i].tests[j]);
+    suite_add_tcase(s, t);
+  }
   return s;
 }
 
