@@ -67,6 +67,15 @@ static detattn_stats stats_ok(detattn_client *c) {
   return s;
 }
 
+/* The daemon holds no sequence and no KV page. */
+static void assert_daemon_empty(void) {
+  detattn_client *c = connect_ok();
+  detattn_stats s = stats_ok(c);
+  ck_assert_uint_eq(s.sequences, 0);
+  ck_assert_uint_eq(s.kv_pages_used, 0);
+  detattn_close(c);
+}
+
 /* ---- verify: concurrency does not change a bit ---- */
 
 #define VERIFY_ARGS(split)                                                                                   \
@@ -119,11 +128,7 @@ START_TEST(eight_concurrent_clients_match_the_one_at_a_time_pass_bitwise) {
   ck_assert_msg(r.max_rel_err < tolerance(&info->model), "verify's own reference check: %g", r.max_rel_err);
   da_verify_free(v);
 
-  detattn_client *c = connect_ok();
-  detattn_stats s = stats_ok(c);
-  ck_assert_uint_eq(s.kv_pages_used, 0);
-  ck_assert_uint_eq(s.sequences, 0);
-  detattn_close(c);
+  assert_daemon_empty();
 }
 END_TEST
 
@@ -270,11 +275,7 @@ START_TEST(ipc_bench_is_bounded_and_reports_both_loops) {
   }
   ck_assert_double_gt(cJSON_GetNumberValue(cJSON_GetObjectItem(j, "overhead_ratio_p50")), 0);
   cJSON_Delete(j);
-  detattn_client *c = connect_ok();
-  detattn_stats st = stats_ok(c);
-  ck_assert_uint_eq(st.sequences, 0);
-  ck_assert_uint_eq(st.kv_pages_used, 0);
-  detattn_close(c);
+  assert_daemon_empty();
 }
 END_TEST
 

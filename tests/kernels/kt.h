@@ -13,6 +13,15 @@
 
 /* One sequence of len tokens of one layer: q: [len][hq][d], k, v: [len][hk][d]; its pages
  * are drawn at random from a pool. Outputs o: [len][hq][d], lse: [len][hq]. */
+/* A model/numerics shape a kernel test runs over. */
+typedef struct kt_case {
+  const char *name;
+  int hq, hk, d;
+  da_dtype dt;
+  float softcap;
+  int window, split, tile, ptok;
+} kt_case;
+
 typedef struct kt_seq {
   const da_model *m;
   int layer, len, n_pages;

@@ -5,15 +5,7 @@
 
 #include "kt.h"
 
-typedef struct inv_case {
-  const char *name;
-  int hq, hk, d;
-  da_dtype dt;
-  float softcap;
-  int window, split, tile, ptok;
-} inv_case;
-
-static const inv_case cases[] = {
+static const kt_case cases[] = {
     {"bf16 8q/2kv d128", 8, 2, 128, DA_BF16, 0.0f, 0, 64, 16, 16},
     {"fp16 4q/1kv d64 window 90 softcap 20", 4, 1, 64, DA_FP16, 20.0f, 90, 32, 16, 8},
 };
@@ -22,7 +14,7 @@ static const inv_case cases[] = {
 #define MAX_SEQS 8
 
 typedef struct fixture {
-  const inv_case *c;
+  const kt_case *c;
   uint64_t seed;
   da_rng r;
   da_model m;

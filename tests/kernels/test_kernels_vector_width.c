@@ -7,15 +7,7 @@
 
 extern const da_backend_ops da_cpu_sse2_backend_ops;
 
-typedef struct vw_case {
-  const char *name;
-  int hq, hk, d;
-  da_dtype dt;
-  float softcap;
-  int window, split, tile, ptok;
-} vw_case;
-
-static const vw_case cases[] = {
+static const kt_case cases[] = {
     {"bf16 8q/2kv d128", 8, 2, 128, DA_BF16, 0.0f, 0, 64, 64, 16},
     {"fp16 4q/1kv d256 softcap 15 window 70", 4, 1, 256, DA_FP16, 15.0f, 70, 64, 16, 8},
     {"bf16 2q/2kv d64 page 128", 2, 2, 64, DA_BF16, 0.0f, 0, 128, 32, 128},
@@ -23,7 +15,7 @@ static const vw_case cases[] = {
 #define POOL 1024
 
 START_TEST(sse2_and_default_builds_give_same_bits) {
-  const vw_case *c = &cases[_i];
+  const kt_case *c = &cases[_i];
   const uint64_t seed = da_test_seed(11000 + (uint64_t)_i);
   da_rng r;
   da_rng_seed(&r, seed);
