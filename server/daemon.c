@@ -100,18 +100,24 @@ int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
   return 0;
 }
 
-static client *client_add(da_daemon *d, uint32_t id) {
+/* peer: as the CONNECT event read it, or NULL when a request came first (read it now). */
+static client *client_add(da_daemon *d, uint32_t id, const da_peer *peer) {
   client *c = calloc(1, sizeof(*c));
   if (c == NULL) {
     da_log_error("out of memory for client %u", id);
     return NULL;
   }
   c->id = id;
+  if (peer) c->peer = *peer;
+  else if (da_transport_peer(d->tr, id, &c->peer) != 0) {
+    c->peer.principal = id;
+    snprintf(c->peer.name, sizeof(c->peer.name), "pipe %u", id);
+  }
   da_sched_queue_init(&c->q);
   c->hnext = d->buckets[id % N_BUCKETS];
   d->buckets[id % N_BUCKETS] = c;
   d->n_clients++;
-  da_log_debug("client %u connected (%d clients)", id, d->n_clients);
+  da_log_debug("client %u connected from %s (%d clients)", id, c->peer.name, d->n_clients);
   return c;
 }
 
@@ -135,7 +141,7 @@ static void on_request(da_daemon *d, da_event *ev) {
     return;
   }
   client *c = client_find(d, ev->client);
-  if (c == NULL && !is_gone(d, ev->client)) c = client_add(d, ev->client);
+  if (c == NULL && !is_gone(d, ev->client)) c = client_add(d, ev->client, NULL);
   const char *why = c == NULL || c->dead ? "connection closed"
                     : d->fatal           ? "device failed; the daemon is exiting"
                     : d->draining        ? "draining"
@@ -160,9 +166,9 @@ static void on_request(da_daemon *d, da_event *ev) {
   da_ops_dispatch(d, r);
 }
 
-static void on_connect(da_daemon *d, uint32_t id) {
+static void on_connect(da_daemon *d, uint32_t id, const da_peer *peer) {
   if (client_find(d, id) || is_gone(d, id)) return;
-  client_add(d, id);
+  client_add(d, id, peer);
 }
 
 static void on_disconnect(da_daemon *d, uint32_t id) {
@@ -215,7 +221,7 @@ static void on_events(uv_async_t *h) {
     if (ev == NULL) break;
     switch (ev->kind) {
     case DA_EV_REQUEST: on_request(d, ev); break;
-    case DA_EV_CONNECT: on_connect(d, ev->client); break;
+    case DA_EV_CONNECT: on_connect(d, ev->client, &ev->peer); break;
     case DA_EV_DISCONNECT: on_disconnect(d, ev->client); break;
     }
     da_transport_event_free(ev);

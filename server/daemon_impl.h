@@ -31,6 +31,7 @@ typedef struct request request;
 
 typedef struct client {
   uint32_t id;
+  da_peer peer; /* who connected: credentials and the principal (transport.h) */
   int dead;
   int n_seqs; /* sequences it owns */
   int n_reqs; /* requests alive that point at it */

@@ -147,6 +147,50 @@ static void on_aio(void *arg) {
   else on_recv(c);
 }
 
+/* Returns NNG_ENOENT when the pipe is gone (out then names only the pipe). */
+static int peer_of(nng_pipe p, da_peer *out) {
+  memset(out, 0, sizeof(*out));
+  uint32_t id = (uint32_t)nng_pipe_id(p);
+  out->principal = (uint64_t)id;
+  snprintf(out->name, sizeof(out->name), "pipe %u", id);
+  uint64_t uid, gid, pid;
+  int rv = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &uid);
+  if (rv == NNG_ENOENT) return rv;
+  if (rv == 0 &&
+      nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_GID, &gid) == 0 &&
+      nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_PID, &pid) == 0) {
+    out->has_creds = 1;
+    out->uid = (uint32_t)uid;
+    out->gid = (uint32_t)gid;
+    out->pid = (int32_t)pid;
+    out->principal = (1ull << 62) | pid;
+    snprintf(out->name, sizeof(out->name), "pid %d uid %u", out->pid, out->uid);
+    return 0;
+  }
+  nng_sockaddr sa;
+  if ((rv = nng_pipe_get_addr(p, NNG_OPT_REMADDR, &sa)) != 0) return rv == NNG_ENOENT ? rv : 0;
+  if (sa.s_family == NNG_AF_INET) {
+    const uint8_t *a = (const uint8_t *)&sa.s_in.sa_addr;
+    unsigned port = ((sa.s_in.sa_port & 0xff) << 8) | (sa.s_in.sa_port >> 8);
+    out->principal = (2ull << 62) | sa.s_in.sa_addr;
+    snprintf(out->name, sizeof(out->name), "%u.%u.%u.%u:%u", a[0], a[1], a[2], a[3], port);
+  } else if (sa.s_family == NNG_AF_INET6) {
+    uint64_t h = 1469598103934665603ull; /* FNV-1a of the address bytes */
+    for (int i = 0; i < 16; i++) h = (h ^ sa.s_in6.sa_addr[i]) * 1099511628211ull;
+    unsigned port = ((sa.s_in6.sa_port & 0xff) << 8) | (sa.s_in6.sa_port >> 8);
+    out->principal = (3ull << 62) | (h >> 2);
+    snprintf(out->name, sizeof(out->name), "[ipv6]:%u", port);
+  }
+  return 0;
+}
+
+int da_transport_peer(da_transport *t, uint32_t client, da_peer *out) {
+  (void)t;
+  nng_pipe p = NNG_PIPE_INITIALIZER;
+  p.id = client;
+  return peer_of(p, out) == NNG_ENOENT ? DETATTN_NOT_FOUND : 0;
+}
+
 static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
   da_transport *t = arg;
   da_event *e = calloc(1, sizeof(*e));
@@ -154,6 +198,7 @@ static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
   e->kind = ev == NNG_PIPE_EV_ADD_POST ? DA_EV_CONNECT : DA_EV_DISCONNECT;
   e->client = (uint32_t)nng_pipe_id(p);
   e->recv_ns = da_now_ns();
+  if (e->kind == DA_EV_CONNECT) peer_of(p, &e->peer);
   push(t, e);
 }
 

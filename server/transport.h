@@ -31,12 +31,24 @@ typedef enum da_event_kind {
   DA_EV_DISCONNECT = 2, /* a client connection was removed */
 } da_event_kind;
 
+/* Who is at the other end of a connection. */
+typedef struct da_peer {
+  int has_creds;      /* ipc: uid, gid and pid come from the socket (SO_PEERCRED) */
+  uint32_t uid, gid;
+  int32_t pid;
+  uint64_t principal; /* the client a connection belongs to, for fairness and quotas: ipc:
+                       * the peer process (pid); tcp: the peer address (without the port);
+                       * otherwise the connection id */
+  char name[64];      /* printable: "pid 123 uid 1000", "127.0.0.1:54321" or "pipe 7" */
+} da_peer;
+
 typedef struct da_event {
   da_event_kind kind;
   uint32_t client; /* nng pipe id */
   da_tctx *ctx;    /* DA_EV_REQUEST: where to send the reply */
   uint64_t recv_ns;
   size_t bytes;
+  da_peer peer;        /* DA_EV_CONNECT */
   da_wire_request req; /* DA_EV_REQUEST; the receiver may move it out (then zero it) */
   struct da_event *next;
 } da_event;
@@ -54,6 +66,9 @@ typedef struct da_transport_cfg {
 int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen);
 /* The URL actually listened on (a tcp port 0 replaced by the port bound). */
 const char *da_transport_url(const da_transport *t);
+/* Reads who is at the other end of connection `client` (an nng pipe id) into out. Returns
+ * DETATTN_NOT_FOUND when the connection is gone. Any thread. */
+int da_transport_peer(da_transport *t, uint32_t client, da_peer *out);
 /* Pops the oldest event, or NULL. Free it with da_transport_event_free. */
 da_event *da_transport_poll(da_transport *t);
 void da_transport_event_free(da_event *ev);

@@ -1,8 +1,10 @@
-/* Unit tests for kernels/da.c: dtype conversions, model checks, fingerprint, status names. */
+/* Unit tests for da_core (kernels/da.c, kernels/hist.c): dtype conversions, model checks,
+ * fingerprint, status names, histogram counts at Prometheus bounds. */
 #include <check.h>
 #include <stdlib.h>
 
 #include "da.h"
+#include "hist.h"
 #include "testutil.h"
 
 START_TEST(fp16_round_trips_every_finite_value) {
@@ -129,6 +131,27 @@ START_TEST(rng_is_seeded_and_spread) {
 }
 END_TEST
 
+START_TEST(hist_count_le_is_exact_at_powers_of_two) {
+  da_rng r;
+  da_rng_seed(&r, da_test_seed(7));
+  static da_hist h;
+  da_hist_init(&h);
+  enum { N = 50000 };
+  static uint64_t v[N];
+  for (int i = 0; i < N; i++) {
+    v[i] = (uint64_t)(da_rng_uniform(&r) * 1e7) >> (da_rng_u64(&r) % 20);
+    da_hist_record(&h, v[i]);
+  }
+  for (int e = 0; e < 30; e++) {
+    uint64_t bound = (1ull << e) - 1, exact = 0;
+    for (int i = 0; i < N; i++) exact += v[i] <= bound;
+    ck_assert_msg(da_hist_count_le(&h, bound) == exact, "le %llu: %llu, exact %llu", (unsigned long long)bound,
+                  (unsigned long long)da_hist_count_le(&h, bound), (unsigned long long)exact);
+  }
+  ck_assert_uint_eq(da_hist_count_le(&h, UINT64_MAX), N);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("core");
   TCase *tc = tcase_create("core");
@@ -139,6 +162,7 @@ int main(void) {
   tcase_add_test(tc, fingerprint_covers_every_numerics_input);
   tcase_add_test(tc, status_names_follow_the_map);
   tcase_add_test(tc, rng_is_seeded_and_spread);
+  tcase_add_test(tc, hist_count_le_is_exact_at_powers_of_two);
   suite_add_tcase(s, tc);
   return da_test_run(s);
 }

@@ -62,3 +62,12 @@ uint64_t da_hist_quantile(const da_hist *h, double q) {
 }
 
 double da_hist_mean(const da_hist *h) { return h->count ? h->sum / (double)h->count : 0.0; }
+
+uint64_t da_hist_count_le(const da_hist *h, uint64_t bound) {
+  if (h->count == 0 || bound < h->min) return 0;
+  if (bound >= h->max) return h->count;
+  uint32_t last = da_hist_bucket(bound);
+  uint64_t n = 0;
+  for (uint32_t i = 0; i <= last; i++) n += h->buckets[i];
+  return n;
+}
