@@ -61,7 +61,7 @@ DETATTN_API int detattn_connect(detattn_client **out, const char *url) {
   }
   /* Before any context exists: contexts copy the socket's resend time when opened. */
   if ((rv = nng_socket_set_ms(c->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE)) != 0 ||
-      (rv = nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, (size_t)1 << 30)) != 0 ||
+      (rv = nng_socket_set_size(c->sock, NNG_OPT_RECVMAXSZ, DA_CLIENT_MAX_REPLY_BYTES)) != 0 ||
       (rv = nng_socket_set_ms(c->sock, NNG_OPT_RECONNMINT, 20)) != 0 ||
       (rv = nng_socket_set_ms(c->sock, NNG_OPT_RECONNMAXT, 500)) != 0 ||
       (rv = nng_pipe_notify(c->sock, NNG_PIPE_EV_REM_POST, pipe_removed, c)) != 0) {
@@ -119,11 +119,56 @@ uint64_t da_client_next_id(detattn_client *c) {
   return id;
 }
 
-void da_client_set_info(detattn_client *c, const detattn_server_info *info) {
+/* Writes what differs between the pinned Hello a and b into msg; 0 when nothing does. */
+static int pin_diff(const detattn_server_info *a, const detattn_server_info *b, char *msg, size_t len) {
+  const detattn_model *x = &a->model, *y = &b->model;
+#define DIFF(what, u, v)                                                                        \
+  if ((u) != (v)) {                                                                            \
+    snprintf(msg, len, what " %llu, now %llu", (unsigned long long)(u), (unsigned long long)(v)); \
+    return 1;                                                                                  \
+  }
+  DIFF("n_layers was", x->n_layers, y->n_layers)
+  DIFF("n_q_heads was", x->n_q_heads, y->n_q_heads)
+  DIFF("n_kv_heads was", x->n_kv_heads, y->n_kv_heads)
+  DIFF("head_dim was", x->head_dim, y->head_dim)
+  DIFF("dtype was", x->dtype, y->dtype)
+  DIFF("window was", x->window, y->window)
+  DIFF("page_tokens was", x->page_tokens, y->page_tokens)
+  DIFF("split_tokens was", a->split_tokens, b->split_tokens)
+  DIFF("tile_tokens was", a->tile_tokens, b->tile_tokens)
+  DIFF("kernel_version was", a->kernel_version, b->kernel_version)
+  DIFF("max_tokens_per_request was", a->max_tokens_per_request, b->max_tokens_per_request)
+#undef DIFF
+  if (a->fingerprint != b->fingerprint) {
+    snprintf(msg, len, "fingerprint was %016llx, now %016llx", (unsigned long long)a->fingerprint,
+             (unsigned long long)b->fingerprint);
+    return 1;
+  }
+  if (memcmp(&x->scale, &y->scale, sizeof x->scale) != 0 || memcmp(&x->softcap, &y->softcap, sizeof x->softcap) != 0) {
+    snprintf(msg, len, "scale/softcap were %g/%g, now %g/%g", (double)x->scale, (double)x->softcap,
+             (double)y->scale, (double)y->softcap);
+    return 1;
+  }
+  return 0;
+}
+
+int da_client_set_info(detattn_client *c, const detattn_server_info *info) {
+  char why[160];
   pthread_mutex_lock(&c->mu);
+  if (c->pinned && pin_diff(&c->pin, info, why, sizeof why)) {
+    pthread_mutex_unlock(&c->mu);
+    return da_err(DETATTN_FAILED_PRECONDITION,
+                  "the daemon at %s changed since this client's first hello (%s); open a new client for it",
+                  c->url, why);
+  }
+  if (!c->pinned) {
+    c->pin = *info;
+    c->pinned = 1;
+  }
   c->info = *info;
   c->have_info = 1;
   pthread_mutex_unlock(&c->mu);
+  return DETATTN_OK;
 }
 
 int da_client_get_info(detattn_client *c, detattn_server_info *out) {

@@ -23,6 +23,11 @@
 #include "detattn.h"
 
 #define DA_CLIENT_DEFAULT_TIMEOUT_MS 60000
+/* The largest reply message the client accepts from any daemon (NNG_OPT_RECVMAXSZ); each
+ * call also checks its reply against the most its request can produce. */
+#define DA_CLIENT_MAX_REPLY_BYTES ((size_t)256 << 20)
+/* Replies other than Forward's (hello, stats, sequence ops) are small. */
+#define DA_CLIENT_SMALL_REPLY_BYTES ((size_t)1 << 20)
 
 /* What a call does once its reply is in: the request kind, and for Forward the caller's
  * output buffers (copied from detattn_seq_io at start). */
@@ -66,6 +71,8 @@ struct detattn_client {
   int closing;
   int have_info;            /* the cached Hello, dropped with the connection */
   detattn_server_info info;
+  int pinned;               /* the first Hello's model and numerics, kept for the client's life */
+  detattn_server_info pin;
 };
 
 /* Sets this thread's error message (printf-style) and returns status, for one-line
@@ -82,8 +89,11 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply);
 /* Frees a finished call (its context, aio and outputs table). NULL is a no-op. */
 void da_call_free(detattn_call *k);
 uint64_t da_client_next_id(detattn_client *c);
-/* Stores a Hello reply as the client's cached server info (until the connection drops). */
-void da_client_set_info(detattn_client *c, const detattn_server_info *info);
+/* Stores a Hello reply as the client's cached server info (until the connection drops).
+ * The first one is pinned: a later Hello (after a reconnect) whose model or numerics differ
+ * from it is refused with DETATTN_FAILED_PRECONDITION (message set) and nothing changes, so
+ * buffers sized from the first Hello are never read or written past their end. */
+int da_client_set_info(detattn_client *c, const detattn_server_info *info);
 /* Copies the cached server info; 0 if there is none. */
 int da_client_get_info(detattn_client *c, detattn_server_info *out);
 

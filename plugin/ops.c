@@ -26,16 +26,58 @@ static int start_request(detattn_client *c, Request *rq, detattn_call **out) {
  * Request's plus one. */
 static int expected_result(int op) { return op + 1; }
 
+/* A protobuf-c allocator with a byte budget: decoding a reply may allocate at most a fixed
+ * multiple of its length, so a hostile daemon cannot make a small reply cost much memory. */
+typedef struct budget {
+  size_t left;
+} budget;
+
+static void *budget_alloc(void *arg, size_t size) {
+  budget *b = arg;
+  size_t need = size + 16;
+  if (need < size || need > b->left) return NULL;
+  size_t *p = malloc(need);
+  if (!p) return NULL;
+  b->left -= need;
+  p[0] = need;
+  return (char *)p + 16;
+}
+
+static void budget_free(void *arg, void *ptr) {
+  budget *b = arg;
+  if (!ptr) return;
+  size_t *p = (size_t *)((char *)ptr - 16);
+  b->left += p[0];
+  free(p);
+}
+
+/* The most bytes the reply to call k may have: what its request can produce. */
+static size_t reply_bound(const detattn_call *k) {
+  if (k->n_out == 0) return DA_CLIENT_SMALL_REPLY_BYTES;
+  const detattn_model *m = &k->model;
+  uint64_t o_row = (uint64_t)m->n_q_heads * m->head_dim * 2, lse_row = k->want_lse ? (uint64_t)m->n_q_heads * 4 : 0;
+  uint64_t n = 4096;
+  for (size_t i = 0; i < k->n_out; i++) n += k->out[i].n_tokens * (o_row + lse_row) + 32;
+  return n > SIZE_MAX ? SIZE_MAX : (size_t)n;
+}
+
 /* Waits for the transport, decodes the Response and checks its id, status and kind.
- * On DETATTN_OK *out is the decoded Response (free with ..._free_unpacked). */
-static int finish_response(detattn_call *k, Response **out) {
+ * On DETATTN_OK *out is the decoded Response (free with response_free). */
+static int finish_response(detattn_call *k, Response **out, budget *b) {
   nng_msg *m = NULL;
   int st;
 
   *out = NULL;
   if ((st = da_call_transport_wait(k, &m)) != DETATTN_OK) return st;
-  Response *r = detattn__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
-  size_t len = nng_msg_len(m);
+  size_t len = nng_msg_len(m), bound = reply_bound(k);
+  if (len > bound) {
+    nng_msg_free(m);
+    return da_err(DETATTN_INTERNAL, "reply of %zu bytes from the daemon; this call's reply is at most %zu", len,
+                  bound);
+  }
+  b->left = 2 * len + 64 * (k->n_out + 16) + 4096;
+  ProtobufCAllocator a = {budget_alloc, budget_free, b};
+  Response *r = detattn__v1__response__unpack(&a, len, nng_msg_body(m));
   nng_msg_free(m);
   if (!r) return da_err(DETATTN_INTERNAL, "malformed response from the daemon (%zu bytes)", len);
   if (r->id != k->id) {
@@ -55,19 +97,31 @@ static int finish_response(detattn_call *k, Response **out) {
   *out = r;
   return DETATTN_OK;
 fail:
-  detattn__v1__response__free_unpacked(r, NULL);
+  detattn__v1__response__free_unpacked(r, &a);
   return st;
 }
 
+/* A decoded reply and the budget its allocator draws on. */
+typedef struct reply {
+  Response *r;
+  budget b;
+} reply;
+
+static void reply_free(reply *x) {
+  ProtobufCAllocator a = {budget_alloc, budget_free, &x->b};
+  if (x->r) detattn__v1__response__free_unpacked(x->r, &a);
+  x->r = NULL;
+}
+
 /* A blocking call: start, wait, check. */
-static int roundtrip(detattn_client *c, Request *rq, Response **out) {
+static int roundtrip(detattn_client *c, Request *rq, reply *out) {
   detattn_call *k;
   int st;
 
-  *out = NULL;
+  out->r = NULL;
   if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "client is NULL");
   if ((st = start_request(c, rq, &k)) != DETATTN_OK) return st;
-  st = finish_response(k, out);
+  st = finish_response(k, &out->r, &out->b);
   da_call_free(k);
   return st;
 }
@@ -115,7 +169,7 @@ static int info_from_reply(const Detattn__V1__HelloReply *h, detattn_server_info
 DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__Hello h = DETATTN__V1__HELLO__INIT;
-  Response *r;
+  reply x;
   detattn_server_info info;
   int st;
 
@@ -124,11 +178,11 @@ DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
   h.client_name = "libdetattn";
   rq.op_case = DETATTN__V1__REQUEST__OP_HELLO;
   rq.hello = &h;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  st = info_from_reply(r->hello, &info);
-  detattn__v1__response__free_unpacked(r, NULL);
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  st = info_from_reply(x.r->hello, &info);
+  reply_free(&x);
   if (st != DETATTN_OK) return st;
-  da_client_set_info(c, &info);
+  if ((st = da_client_set_info(c, &info)) != DETATTN_OK) return st;
   *out = info;
   return DETATTN_OK;
 }
@@ -150,94 +204,94 @@ static void summary(const Detattn__V1__Summary *s, double *mean, double *p50, do
 DETATTN_API int detattn_stats_get(detattn_client *c, detattn_stats *out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__Stats s = DETATTN__V1__STATS__INIT;
-  Response *r;
+  reply x;
   int st;
 
   if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "stats: out is NULL");
   rq.op_case = DETATTN__V1__REQUEST__OP_STATS;
   rq.stats = &s;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  const Detattn__V1__StatsReply *x = r->stats;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  const Detattn__V1__StatsReply *s_ = x.r->stats;
   memset(out, 0, sizeof *out);
-  out->uptime_ms = x->uptime_ms;
-  out->requests = x->requests;
-  out->errors = x->errors;
-  for (size_t i = 0; i < x->n_ops; i++)
-    if (x->ops[i]->op && strcmp(x->ops[i]->op, "forward") == 0) out->forwards = x->ops[i]->ok;
-  out->forward_tokens = x->forward_tokens;
-  out->batches = x->batches;
-  summary(x->batch_tokens, &out->batch_tokens_mean, &out->batch_tokens_p50, &out->batch_tokens_p99,
+  out->uptime_ms = s_->uptime_ms;
+  out->requests = s_->requests;
+  out->errors = s_->errors;
+  for (size_t i = 0; i < s_->n_ops; i++)
+    if (s_->ops[i]->op && strcmp(s_->ops[i]->op, "forward") == 0) out->forwards = s_->ops[i]->ok;
+  out->forward_tokens = s_->forward_tokens;
+  out->batches = s_->batches;
+  summary(s_->batch_tokens, &out->batch_tokens_mean, &out->batch_tokens_p50, &out->batch_tokens_p99,
           &out->batch_tokens_max);
-  summary(x->batch_requests, &out->batch_requests_mean, NULL, NULL, &out->batch_requests_max);
-  summary(x->queue_us, &out->queue_us_mean, &out->queue_us_p50, &out->queue_us_p99, &out->queue_us_max);
-  out->inrow_items = x->inrow_rows;
-  out->partial_items = x->partial_rows;
-  out->kv_pages_total = x->kv_pages_total;
-  out->kv_pages_used = x->kv_pages_used;
-  out->kv_pages_free = x->kv_pages_free;
-  out->sequences = x->sequences;
-  out->clients = x->clients;
-  detattn__v1__response__free_unpacked(r, NULL);
+  summary(s_->batch_requests, &out->batch_requests_mean, NULL, NULL, &out->batch_requests_max);
+  summary(s_->queue_us, &out->queue_us_mean, &out->queue_us_p50, &out->queue_us_p99, &out->queue_us_max);
+  out->inrow_items = s_->inrow_rows;
+  out->partial_items = s_->partial_rows;
+  out->kv_pages_total = s_->kv_pages_total;
+  out->kv_pages_used = s_->kv_pages_used;
+  out->kv_pages_free = s_->kv_pages_free;
+  out->sequences = s_->sequences;
+  out->clients = s_->clients;
+  reply_free(&x);
   return DETATTN_OK;
 }
 
 DETATTN_API int detattn_seq_open(detattn_client *c, uint64_t *seq_out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__SeqOpen o = DETATTN__V1__SEQ_OPEN__INIT;
-  Response *r;
+  reply x;
   int st;
 
   if (!seq_out) return da_err(DETATTN_INVALID_ARGUMENT, "seq_open: seq_out is NULL");
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
   rq.seq_open = &o;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  *seq_out = r->seq_open->seq;
-  detattn__v1__response__free_unpacked(r, NULL);
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  *seq_out = x.r->seq_open->seq;
+  reply_free(&x);
   return DETATTN_OK;
 }
 
 DETATTN_API int detattn_seq_fork(detattn_client *c, uint64_t src, uint64_t *seq_out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__SeqFork f = DETATTN__V1__SEQ_FORK__INIT;
-  Response *r;
+  reply x;
   int st;
 
   if (!seq_out) return da_err(DETATTN_INVALID_ARGUMENT, "seq_fork: seq_out is NULL");
   f.src = src;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_FORK;
   rq.seq_fork = &f;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  *seq_out = r->seq_fork->seq;
-  detattn__v1__response__free_unpacked(r, NULL);
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  *seq_out = x.r->seq_fork->seq;
+  reply_free(&x);
   return DETATTN_OK;
 }
 
 DETATTN_API int detattn_seq_truncate(detattn_client *c, uint64_t seq, uint32_t length) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__SeqTruncate t = DETATTN__V1__SEQ_TRUNCATE__INIT;
-  Response *r;
+  reply x;
   int st;
 
   t.seq = seq;
   t.length = length;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_TRUNCATE;
   rq.seq_truncate = &t;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  detattn__v1__response__free_unpacked(r, NULL);
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  reply_free(&x);
   return DETATTN_OK;
 }
 
 DETATTN_API int detattn_seq_close(detattn_client *c, uint64_t seq) {
   Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__SeqClose x = DETATTN__V1__SEQ_CLOSE__INIT;
-  Response *r;
+  Detattn__V1__SeqClose sc = DETATTN__V1__SEQ_CLOSE__INIT;
+  reply x;
   int st;
 
-  x.seq = seq;
+  sc.seq = seq;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_CLOSE;
-  rq.seq_close = &x;
-  if ((st = roundtrip(c, &rq, &r)) != DETATTN_OK) return st;
-  detattn__v1__response__free_unpacked(r, NULL);
+  rq.seq_close = &sc;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  reply_free(&x);
   return DETATTN_OK;
 }
 
@@ -336,19 +390,19 @@ static int check_forward_reply(const detattn_call *k, const Detattn__V1__Forward
 }
 
 DETATTN_API int detattn_call_wait(detattn_call *k) {
-  Response *r;
+  reply x;
   int st;
 
   if (!k) return da_err(DETATTN_INVALID_ARGUMENT, "call_wait: call is NULL");
-  if ((st = finish_response(k, &r)) != DETATTN_OK) goto done;
-  if ((st = check_forward_reply(k, r->forward)) == DETATTN_OK) {
+  if ((st = finish_response(k, &x.r, &x.b)) != DETATTN_OK) goto done;
+  if ((st = check_forward_reply(k, x.r->forward)) == DETATTN_OK) {
     for (size_t i = 0; i < k->n_out; i++) {
-      const Detattn__V1__ForwardSeqOut *so = r->forward->seqs[i];
+      const Detattn__V1__ForwardSeqOut *so = x.r->forward->seqs[i];
       if (so->o.len) memcpy(k->out[i].o, so->o.data, so->o.len);
       if (k->out[i].lse && so->lse.len) memcpy(k->out[i].lse, so->lse.data, so->lse.len);
     }
   }
-  detattn__v1__response__free_unpacked(r, NULL);
+  reply_free(&x);
 done:
   da_call_free(k);
   return st;

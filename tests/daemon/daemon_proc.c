@@ -33,15 +33,11 @@ int da_daemon_log_has(const da_daemon_proc *d, const char *needle) {
   return found;
 }
 
-int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *args) {
+/* Starts detattnd on d->url (set) in d->dir (exists). */
+static int spawn(da_daemon_proc *d, const char *detattnd, const char *const *args) {
   const char *argv[64];
   int n = 0;
 
-  memset(d, 0, sizeof *d);
-  snprintf(d->dir, sizeof d->dir, "/tmp/detattn-daemon-test-XXXXXX");
-  if (!mkdtemp(d->dir)) return -1;
-  snprintf(d->url, sizeof d->url, "ipc://%s/detattnd.sock", d->dir);
-  snprintf(d->log, sizeof d->log, "%s/detattnd.log", d->dir);
   argv[n++] = detattnd;
   argv[n++] = "--listen";
   argv[n++] = d->url;
@@ -80,6 +76,28 @@ int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *
   fprintf(stderr, "detattnd did not print 'listening on' within 15 s\n");
   da_daemon_dump_log(d);
   return -1;
+}
+
+int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *args) {
+  memset(d, 0, sizeof *d);
+  snprintf(d->dir, sizeof d->dir, "/tmp/detattn-daemon-test-XXXXXX");
+  if (!mkdtemp(d->dir)) return -1;
+  snprintf(d->url, sizeof d->url, "ipc://%s/detattnd.sock", d->dir);
+  snprintf(d->log, sizeof d->log, "%s/detattnd.log", d->dir);
+  return spawn(d, detattnd, args);
+}
+
+int da_daemon_restart(da_daemon_proc *d, const char *detattnd, const char *const *args) {
+  if (d->pid) {
+    kill(d->pid, SIGTERM);
+    if (da_daemon_wait(d, 5000) != 0) {
+      kill(d->pid, SIGKILL);
+      waitpid(d->pid, NULL, 0);
+      d->pid = 0;
+    }
+  }
+  unlink(d->log); /* the old log says "listening on" too */
+  return spawn(d, detattnd, args);
 }
 
 int da_daemon_wait(da_daemon_proc *d, int timeout_ms) {

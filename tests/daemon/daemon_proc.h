@@ -22,6 +22,8 @@ typedef struct da_daemon_proc {
 
 /* args: extra detattnd flags, NULL-terminated (--listen and --backend cpu are added). */
 int da_daemon_start(da_daemon_proc *d, const char *detattnd, const char *const *args);
+/* Stops the daemon (SIGTERM, bounded) and starts detattnd again on the same URL and log. */
+int da_daemon_restart(da_daemon_proc *d, const char *detattnd, const char *const *args);
 /* Waits up to timeout_ms for the daemon to exit by itself; 0 when it did (exit_status set). */
 int da_daemon_wait(da_daemon_proc *d, int timeout_ms);
 void da_daemon_stop(da_daemon_proc *d);
