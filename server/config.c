@@ -55,10 +55,34 @@ static const setting table[] = {
     {"max-seqs", T_INT, F(max_seqs), 1, 1 << 20, NULL, "1024", "most sequences open at once"},
     {"max-seq-tokens", T_INT, F(max_seq_tokens), 1, 1 << 24, NULL, "32768", "longest sequence in tokens"},
     {"threads", T_INT, F(threads), 0, 1024, NULL, "0", "CPU backend: worker threads; 0: online CPUs"},
-    {"contexts", T_INT, F(contexts), 1, 4096, NULL, "64", "nng contexts: requests received concurrently"},
+    {"contexts", T_INT, F(contexts), 1, 65536, NULL, "256",
+     "nng contexts: requests held by the daemon at once (received, queued, running or being answered)"},
     {"acc-slots", T_INT, F(acc_slots), 0, 1 << 28, NULL, "0", "accumulator slots for partial splits; 0: backend default"},
     {"staging-mib", T_INT, F(staging_mib), 0, 1 << 16, NULL, "0", "device backends: staging buffer MiB; 0: default"},
     {"device", T_INT, F(device), 0, 64, NULL, "0", "CUDA backend: device ordinal"},
+    {"max-connections", T_INT, F(max_connections), 1, 1 << 20, NULL, "256",
+     "most client connections at once; more are refused (logged). Checked against the open-file limit at start"},
+    {"max-conn-per-peer", T_INT, F(max_conn_per_peer), 1, 1 << 20, NULL, "64",
+     "most connections from one peer (an ipc peer process, a tcp peer address)"},
+    {"max-inflight-per-conn", T_INT, F(max_inflight_per_conn), 1, 1 << 20, NULL, "32",
+     "most requests one connection may have in the daemon; more are answered RESOURCE_EXHAUSTED"},
+    {"max-reply-bytes", T_I64, F(max_reply_bytes), 65536, 1LL << 40, NULL, "268435456",
+     "most reply bytes queued for one connection that is not reading them; past it the connection is dropped"},
+    {"send-timeout-ms", T_INT, F(send_timeout_ms), 10, 1 << 30, NULL, "5000",
+     "a reply not taken by its client within this many ms drops that client's connection"},
+    {"idle-timeout-ms", T_INT, F(idle_timeout_ms), 0, 1 << 30, NULL, "60000",
+     "a connection that owns no sequence and has no request in the daemon is closed after this many ms "
+     "without a request; 0: never"},
+    {"drain-timeout-ms", T_INT, F(drain_timeout_ms), 100, 1 << 30, NULL, "30000",
+     "on SIGTERM, the daemon exits within this many ms (plus 2 s to close) even if work is still running"},
+    {"ipc-mode", T_STR, F(ipc_mode), 0, 0, NULL, "0660", "permissions of the ipc socket (octal)"},
+    {"allow-uids", T_STR, F(allow_uids), 0, 0, NULL, "",
+     "ipc: user ids allowed to connect, comma-separated; the daemon's own uid and root always are. "
+     "Empty: also any peer whose primary gid is the daemon's (the socket is group-accessible)"},
+    {"allow-gids", T_STR, F(allow_gids), 0, 0, NULL, "", "ipc: group ids whose members may connect, comma-separated"},
+    {"stats-uids", T_STR, F(stats_uids), 0, 0, NULL, "",
+     "ipc: user ids whose Stats show every client (others see their own sequences and pages); the daemon's "
+     "own uid and root always do"},
     {"log-level", T_ENUM, F(log_level), 0, 0, "error|warn|info|debug", "info", "log level"},
     {"fail-after-batches", T_INT, F(fail_after_batches), 0, 1 << 30, NULL, "0",
      "for tests only: batch N (counting from 1) and every later one fail as an injected device "
@@ -236,6 +260,42 @@ static int parse_flags(da_config *c, int argc, char *const argv[], int only_meta
   return 0;
 }
 
+int da_config_id_list(const char *s, uint32_t *out, int max) {
+  int n = 0;
+  while (*s) {
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(s, &end, 10);
+    if (end == s || errno || v > UINT32_MAX || (*end != ',' && *end != '\0') || n >= max) return -1;
+    out[n++] = (uint32_t)v;
+    s = *end == ',' ? end + 1 : end;
+  }
+  return n;
+}
+
+int da_config_ipc_mode(const da_config *c) { return (int)strtol(c->ipc_mode, NULL, 8); }
+
+static int check_lists(const da_config *c, char *err, size_t errlen) {
+  uint32_t ids[64];
+  const struct {
+    const char *name, *v;
+  } lists[] = {{"allow-uids", c->allow_uids}, {"allow-gids", c->allow_gids}, {"stats-uids", c->stats_uids}};
+  for (size_t i = 0; i < sizeof(lists) / sizeof(lists[0]); i++)
+    if (da_config_id_list(lists[i].v, ids, 64) < 0) {
+      snprintf(err, errlen, "%s: '%s' is not a comma-separated list of at most 64 numeric ids", lists[i].name,
+               lists[i].v);
+      return DETATTN_INVALID_ARGUMENT;
+    }
+  char *end;
+  long mode = strtol(c->ipc_mode, &end, 8);
+  if (c->ipc_mode[0] == '\0' || *end != '\0' || mode < 0 || mode > 0777 || (mode & 0600) != 0600) {
+    snprintf(err, errlen, "ipc-mode: '%s' is not an octal mode in [0600, 0777] that lets the owner read and write",
+             c->ipc_mode);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  return 0;
+}
+
 static int check_cross(const da_config *c, char *err, size_t errlen) {
   da_model m = {.n_layers = c->layers, .n_q_heads = c->q_heads, .n_kv_heads = c->kv_heads,
                 .head_dim = c->head_dim, .dtype = (da_dtype)c->dtype, .scale = (float)c->scale,
@@ -263,6 +323,7 @@ static int check_cross(const da_config *c, char *err, size_t errlen) {
              c->max_request_tokens, c->max_seq_tokens);
     return DETATTN_INVALID_ARGUMENT;
   }
+  if (check_lists(c, err, errlen) != 0) return DETATTN_INVALID_ARGUMENT;
   if (strncmp(c->listen, "ipc://", 6) != 0 && strncmp(c->listen, "tcp://", 6) != 0 &&
       strncmp(c->listen, "tls+tcp://", 10) != 0 && strncmp(c->listen, "inproc://", 9) != 0) {
     snprintf(err, errlen, "listen: '%s' is not an ipc://, tcp://, tls+tcp:// or inproc:// URL", c->listen);

@@ -40,11 +40,23 @@ typedef struct da_config {
   int max_seqs, max_seq_tokens;
   /* resources */
   int threads, contexts, acc_slots, staging_mib, device;
+  /* connections and shutdown */
+  int max_connections, max_conn_per_peer, max_inflight_per_conn;
+  int send_timeout_ms, idle_timeout_ms, drain_timeout_ms;
+  int64_t max_reply_bytes; /* replies queued on one connection */
+  char ipc_mode[16];       /* octal permissions of the ipc socket */
+  char allow_uids[DA_CONFIG_STR_MAX], allow_gids[DA_CONFIG_STR_MAX], stats_uids[DA_CONFIG_STR_MAX];
   int log_level; /* da_log_level */
   int fail_after_batches; /* tests: batch N and later fail as a device failure; 0: off */
   int help;         /* --help was given */
   int print_config; /* --print-config was given */
 } da_config;
+
+/* Parses a comma-separated list of ids ("0,1000"; "" is empty) into out (at most max);
+ * returns the count, or -1 when an entry is not a number. */
+int da_config_id_list(const char *s, uint32_t *out, int max);
+/* The ipc socket mode (ipc_mode parsed as octal). */
+int da_config_ipc_mode(const da_config *c);
 
 /* Names of the enum settings' values, for printing. */
 const char *da_config_backend_name(const da_config *c);

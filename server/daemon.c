@@ -4,10 +4,14 @@
  */
 #include "daemon.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "daemon_impl.h"
@@ -20,30 +24,14 @@ static void item_cancelled(void *arg, da_sched_item *it);
 
 /* ---- stats ---- */
 
-static void summary_add(summary *s, double v) {
-  s->ring[s->count % N_SAMPLES] = v;
-  s->count++;
-  s->sum += v;
-  if (v > s->max) s->max = v;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-void da_daemon_summary_get(const summary *s, da_wire_summary *out) {
-  static double tmp[N_SAMPLES];
+void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out) {
   memset(out, 0, sizeof(*out));
-  out->count = s->count;
-  if (s->count == 0) return;
-  out->mean = s->sum / (double)s->count;
-  out->max = s->max;
-  size_t n = s->count < N_SAMPLES ? (size_t)s->count : N_SAMPLES;
-  memcpy(tmp, s->ring, n * sizeof(double));
-  qsort(tmp, n, sizeof(double), cmp_double);
-  out->p50 = tmp[(n - 1) / 2];
-  out->p99 = tmp[(size_t)((double)(n - 1) * 0.99)];
+  out->count = h->count;
+  if (h->count == 0) return;
+  out->mean = da_hist_mean(h) * scale;
+  out->max = (double)h->max * scale;
+  out->p50 = (double)da_hist_quantile(h, 0.5) * scale;
+  out->p99 = (double)da_hist_quantile(h, 0.99) * scale;
 }
 
 /* ---- clients and sequences ---- */
@@ -76,6 +64,10 @@ void da_daemon_seq_release(da_daemon *d, seq_slot *s) {
   int rv = da_kvcache_close(d->kv, h);
   if (rv != 0) da_log_error("closing KV sequence %u: %s", h, da_kvcache_errmsg(d->kv));
   client *c = s->owner;
+  if (s->oprev) s->oprev->onext = s->onext;
+  else c->seqs = s->onext;
+  if (s->onext) s->onext->oprev = s->oprev;
+  s->onext = s->oprev = NULL;
   s->wire = 0;
   s->owner = NULL;
   s->closing = 0;
@@ -95,6 +87,10 @@ int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
   s->owner = c;
   s->pending = 0;
   s->closing = 0;
+  s->oprev = NULL;
+  s->onext = c->seqs;
+  if (c->seqs) c->seqs->oprev = s;
+  c->seqs = s;
   c->n_seqs++;
   *wire = s->wire;
   return 0;
@@ -112,6 +108,12 @@ static client *client_add(da_daemon *d, uint32_t id, const da_peer *peer) {
   else if (da_transport_peer(d->tr, id, &c->peer) != 0) {
     c->peer.principal = id;
     snprintf(c->peer.name, sizeof(c->peer.name), "pipe %u", id);
+  }
+  c->last_ns = da_now_ns();
+  if (c->peer.has_creds) {
+    uint32_t u = c->peer.uid;
+    c->stats_all = u == 0 || u == d->self_uid;
+    for (int i = 0; i < d->n_stats_uids && !c->stats_all; i++) c->stats_all = u == d->stats_uids[i];
   }
   da_sched_queue_init(&c->q);
   c->hnext = d->buckets[id % N_BUCKETS];
@@ -135,26 +137,35 @@ static int is_gone(const da_daemon *d, uint32_t id) {
  * then) or after its DISCONNECT (it is answered UNAVAILABLE: nobody will read it). */
 static void on_request(da_daemon *d, da_event *ev) {
   da_wire_request *w = &ev->req;
-  if (w->status != 0) {
-    da_wire_response resp = {.id = w->id, .code = w->status, .message = w->err};
-    da_ops_send_reply(d, ev->ctx, w->op, &resp);
-    return;
-  }
   client *c = client_find(d, ev->client);
   if (c == NULL && !is_gone(d, ev->client)) c = client_add(d, ev->client, NULL);
+  if (c) c->last_ns = ev->recv_ns;
+  if (w->status != 0) {
+    da_wire_response resp = {.id = w->id, .code = w->status, .message = w->err};
+    da_ops_send_reply(d, c, ev->ctx, w->op, ev->recv_ns, &resp);
+    return;
+  }
   const char *why = c == NULL || c->dead ? "connection closed"
                     : d->fatal           ? "device failed; the daemon is exiting"
                     : d->draining        ? "draining"
                                          : NULL;
   if (why) {
     da_wire_response resp = {.id = w->id, .code = DETATTN_UNAVAILABLE, .message = why};
-    da_ops_send_reply(d, ev->ctx, w->op, &resp);
+    da_ops_send_reply(d, c, ev->ctx, w->op, ev->recv_ns, &resp);
+    return;
+  }
+  if (c->n_reqs >= d->cfg->max_inflight_per_conn) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "%d requests of this connection are in the daemon (--max-inflight-per-conn %d)",
+             c->n_reqs, d->cfg->max_inflight_per_conn);
+    da_wire_response resp = {.id = w->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = msg};
+    da_ops_send_reply(d, c, ev->ctx, w->op, ev->recv_ns, &resp);
     return;
   }
   request *r = calloc(1, sizeof(*r));
   if (r == NULL) {
     da_wire_response resp = {.id = w->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = "out of memory"};
-    da_ops_send_reply(d, ev->ctx, w->op, &resp);
+    da_ops_send_reply(d, c, ev->ctx, w->op, ev->recv_ns, &resp);
     return;
   }
   r->ctx = ev->ctx;
@@ -185,13 +196,12 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
   }
   c->held_tail = NULL;
   int closed = 0, deferred = 0;
-  for (int i = 0; i < d->max_seqs; i++) {
-    seq_slot *s = &d->seqs[i];
-    if (s->wire == 0 || s->owner != c) continue;
+  for (seq_slot *s = c->seqs, *next; s; s = next) {
+    next = s->onext;
     if (s->pending == 0) {
       da_daemon_seq_release(d, s);
       closed++;
-    } else {
+    } else if (!s->closing) {
       s->closing = 1;
       deferred++;
     }
@@ -262,10 +272,10 @@ static void submit(da_daemon *d, da_sched_batch *b) {
       r->batch_stamp = stamp;
       n_reqs++;
     }
-    if (e->appends) summary_add(&d->queue_us, (double)(now - r->recv_ns) / 1e3);
+    if (e->appends) da_hist_record(&d->queue_ns, now - r->recv_ns);
   }
-  summary_add(&d->batch_tokens, b->tokens);
-  summary_add(&d->batch_requests, n_reqs);
+  da_hist_record(&d->batch_tokens, (uint64_t)b->tokens);
+  da_hist_record(&d->batch_requests, (uint64_t)n_reqs);
   d->batches++;
   d->buf_busy[b - d->bufs] = 1;
   d->n_running++;
@@ -357,6 +367,7 @@ static void on_batch_done(uv_async_t *h) {
   da_batch_result res;
   uint64_t run_ns;
   while (da_worker_take(d->worker, &tag, &status, &res, &run_ns)) {
+    da_hist_record(&d->batch_run_ns, run_ns);
     batch_done(d, tag, status, &res);
     n++;
   }
@@ -379,6 +390,78 @@ static void on_worker_done(void *arg) {
   uv_async_send(&d->done_async);
 }
 
+/* ---- the shutdown watchdog ----
+ *
+ * Once SIGTERM arrives the daemon must be gone within drain-timeout-ms + CLOSE_GRACE_MS,
+ * whatever nng does: nng_close has been seen never to return under load. A thread waits for
+ * the deadline and, if the process is still there, removes the ipc socket, releases the
+ * lock (so a new daemon can take the path at once) and _exit()s. */
+
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  pthread_t thr;
+  int started, done;
+  uint64_t deadline_ns;
+  int code; /* exit status if the deadline passes */
+  int lock_fd;
+  char sock_path[600];
+} wd = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .lock_fd = -1};
+
+static void exit_now(int code, const char *why) {
+  da_log_error("%s; exiting now (status %d)", why, code);
+  if (wd.sock_path[0]) unlink(wd.sock_path);
+  if (wd.lock_fd >= 0) close(wd.lock_fd);
+  _exit(code);
+}
+
+static void *watchdog_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&wd.mu);
+  while (!wd.done) {
+    uint64_t now = da_now_ns();
+    if (now >= wd.deadline_ns) break;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t left = wd.deadline_ns - now;
+    ts.tv_sec += (time_t)(left / 1000000000u);
+    ts.tv_nsec += (long)(left % 1000000000u);
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&wd.cv, &wd.mu, &ts);
+  }
+  int done = wd.done, code = wd.code;
+  pthread_mutex_unlock(&wd.mu);
+  if (!done) exit_now(code, "shutdown did not finish before its deadline");
+  return NULL;
+}
+
+/* Arms (or brings forward) the deadline; code is the exit status if it passes. */
+static void watchdog_arm(da_daemon *d, uint64_t deadline_ns, int code) {
+  pthread_mutex_lock(&wd.mu);
+  if (!wd.started || deadline_ns < wd.deadline_ns) wd.deadline_ns = deadline_ns;
+  wd.code = code;
+  if (!wd.started) {
+    wd.lock_fd = da_transport_lock_fd(d->tr);
+    if (strncmp(d->cfg->listen, "ipc://", 6) == 0) snprintf(wd.sock_path, sizeof wd.sock_path, "%s", d->cfg->listen + 6);
+    wd.started = pthread_create(&wd.thr, NULL, watchdog_main, NULL) == 0;
+    if (!wd.started) da_log_error("cannot start the shutdown watchdog thread");
+  }
+  pthread_cond_broadcast(&wd.cv);
+  pthread_mutex_unlock(&wd.mu);
+}
+
+static void watchdog_stop(void) {
+  pthread_mutex_lock(&wd.mu);
+  wd.done = 1;
+  int started = wd.started;
+  pthread_cond_broadcast(&wd.cv);
+  pthread_mutex_unlock(&wd.mu);
+  if (started) pthread_join(wd.thr, NULL);
+}
+
 /* ---- start, drain, stop ---- */
 
 static void on_close(uv_handle_t *h) {
@@ -387,11 +470,32 @@ static void on_close(uv_handle_t *h) {
 }
 
 static void close_handles(da_daemon *d) {
-  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
-                       (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
-                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer};
+  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async,   (uv_handle_t *)&d->done_async,
+                       (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
+                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
+                       (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
+                       (uv_handle_t *)&d->watchdog_timer};
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
     if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
+}
+
+/* Connections that own nothing and sent nothing for idle-timeout-ms are closed: idle
+ * connections must not hold the daemon's file descriptors and connection slots. */
+static void on_idle_timer(uv_timer_t *t) {
+  da_daemon *d = t->data;
+  if (d->tr == NULL) return;
+  uint64_t now = da_now_ns(), idle = (uint64_t)d->cfg->idle_timeout_ms * 1000000u;
+  for (int b = 0; b < N_BUCKETS; b++)
+    for (client *c = d->buckets[b]; c; c = c->hnext)
+      if (!c->dead && c->n_seqs == 0 && c->n_reqs == 0 && now - c->last_ns > idle) {
+        c->last_ns = now; /* one drop per period; its DISCONNECT follows */
+        da_transport_drop(d->tr, c->id, "idle with no sequence (--idle-timeout-ms)");
+      }
+}
+
+static void on_watchdog_timer(uv_timer_t *t) {
+  (void)t;
+  sd_notify(0, "WATCHDOG=1");
 }
 
 static void on_linger(uv_timer_t *t) {
@@ -411,15 +515,34 @@ static void maybe_stop(da_daemon *d) {
     return;
   }
   d->stopping = 1;
-  da_log_info("drained; closing the listener");
-  da_transport_close(d->tr, 2000);
+  da_log_info("drained; closing the socket");
+  /* Everything was answered: from here on only nng can hold us up. */
+  watchdog_arm(d, da_now_ns() + (uint64_t)CLOSE_GRACE_MS * 2000000u, d->exit_code);
+  da_transport_close(d->tr, CLOSE_GRACE_MS);
   d->tr = NULL;
   close_handles(d);
 }
 
+static void on_drain_deadline(uv_timer_t *t) {
+  da_daemon *d = t->data;
+  if (d->stopping) return;
+  char why[160];
+  snprintf(why, sizeof why, "drain deadline (--drain-timeout-ms %d) passed with %lld items and %d held requests unanswered",
+           d->cfg->drain_timeout_ms, (long long)da_sched_items_in_flight(d->sched), d->n_held);
+  exit_now(DA_EXIT_TIMEOUT, why);
+}
+
 static void on_signal(uv_signal_t *h, int signum) {
   da_daemon *d = h->data;
-  if (!d->draining) da_log_info("%s: draining (new requests get UNAVAILABLE)", signum == SIGINT ? "SIGINT" : "SIGTERM");
+  if (!d->draining) {
+    da_log_info("%s: draining (new requests get UNAVAILABLE; no new connections); exit within %d ms",
+                signum == SIGINT ? "SIGINT" : "SIGTERM", d->cfg->drain_timeout_ms + CLOSE_GRACE_MS);
+    sd_notify(0, "STOPPING=1");
+    da_transport_stop_listening(d->tr);
+    uv_timer_start(&d->drain_timer, on_drain_deadline, (uint64_t)d->cfg->drain_timeout_ms, 0);
+    watchdog_arm(d, da_now_ns() + (uint64_t)(d->cfg->drain_timeout_ms + CLOSE_GRACE_MS) * 1000000u,
+                 DA_EXIT_TIMEOUT);
+  }
   d->draining = 1;
   kick(d);
   maybe_stop(d);
@@ -455,6 +578,37 @@ static int open_backend(da_daemon *d) {
 
 static void wake_loop(void *arg) { uv_async_send(arg); }
 
+/* Each connection takes a file descriptor; the rest of the daemon needs about FD_RESERVE.
+ * Like redis' maxclients: raise the soft limit toward the hard one, and if that is still
+ * too low, serve fewer connections and say so. */
+#define FD_RESERVE 64
+static int check_fd_limit(da_daemon *d) {
+  d->max_connections = d->cfg->max_connections;
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  rlim_t need = (rlim_t)d->max_connections + FD_RESERVE;
+  if (rl.rlim_cur >= need) return 0;
+  rlim_t was = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= need ? need : rl.rlim_max;
+  if (rl.rlim_cur > was && setrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur >= need) {
+    da_log_info("raised the open-file limit from %llu to %llu for --max-connections %d", (unsigned long long)was,
+                (unsigned long long)rl.rlim_cur, d->max_connections);
+    return 0;
+  }
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  if (rl.rlim_cur <= FD_RESERVE + 1) {
+    da_log_error("the open-file limit is %llu: too low for any connection (raise it: ulimit -n, LimitNOFILE)",
+                 (unsigned long long)rl.rlim_cur);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  d->max_connections = (int)(rl.rlim_cur - FD_RESERVE);
+  da_log_warn("the open-file limit is %llu (hard %llu): serving at most %d connections instead of --max-connections %d "
+              "(raise the limit: ulimit -n, LimitNOFILE)",
+              (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max, d->max_connections,
+              d->cfg->max_connections);
+  return 0;
+}
+
 static int start(da_daemon *d) {
   const da_config *c = d->cfg;
   int rv;
@@ -488,15 +642,20 @@ static int start(da_daemon *d) {
     return DETATTN_INTERNAL;
   }
   d->loop_inited = 1;
-  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async, (uv_handle_t *)&d->done_async,
-                       (uv_handle_t *)&d->sigterm, (uv_handle_t *)&d->sigint,
-                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer};
+  uv_handle_t *hs[] = {(uv_handle_t *)&d->ev_async,   (uv_handle_t *)&d->done_async,
+                       (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
+                       (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
+                       (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
+                       (uv_handle_t *)&d->watchdog_timer};
   uv_async_init(&d->loop, &d->ev_async, on_events);
   uv_async_init(&d->loop, &d->done_async, on_batch_done);
   uv_signal_init(&d->loop, &d->sigterm);
   uv_signal_init(&d->loop, &d->sigint);
   uv_timer_init(&d->loop, &d->wait_timer);
   uv_timer_init(&d->loop, &d->linger_timer);
+  uv_timer_init(&d->loop, &d->drain_timer);
+  uv_timer_init(&d->loop, &d->idle_timer);
+  uv_timer_init(&d->loop, &d->watchdog_timer);
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) hs[i]->data = d;
   d->n_handles = (int)(sizeof(hs) / sizeof(hs[0]));
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
@@ -511,18 +670,36 @@ static int start(da_daemon *d) {
     da_log_warn("test setting: batch %d and every later one fail as an injected device failure",
                 c->fail_after_batches);
   }
+  if ((rv = check_fd_limit(d)) != 0) return rv;
+  uint32_t uids[64], gids[64];
+  da_peer_policy pol = {.self_uid = (uint32_t)geteuid(), .self_gid = (uint32_t)getegid(), .uids = uids, .gids = gids};
+  pol.n_uids = da_config_id_list(c->allow_uids, uids, 64);
+  pol.n_gids = da_config_id_list(c->allow_gids, gids, 64);
+  d->self_uid = pol.self_uid;
+  d->n_stats_uids = da_config_id_list(c->stats_uids, d->stats_uids, 64);
   size_t decode = (size_t)c->max_message_bytes * 2 + ((size_t)1 << 20);
   da_transport_cfg tc = {.url = c->listen, .n_contexts = c->contexts,
                          .limits = {.model = d->model, .max_request_tokens = c->max_request_tokens,
                                     .max_message_bytes = (size_t)c->max_message_bytes,
                                     .decode_bytes = decode},
-                         .notify = wake_loop, .arg = &d->ev_async};
+                         .notify = wake_loop, .arg = &d->ev_async,
+                         .max_connections = d->max_connections, .max_conn_per_peer = c->max_conn_per_peer,
+                         .send_timeout_ms = c->send_timeout_ms, .max_reply_bytes = (size_t)c->max_reply_bytes,
+                         .ipc_mode = da_config_ipc_mode(c), .policy = &pol};
   char err[700] = "";
   if ((rv = da_transport_open(&d->tr, &tc, err, sizeof(err))) != 0) {
     da_log_error("%s", err);
     return rv;
   }
+  if (c->idle_timeout_ms > 0) {
+    uint64_t every = (uint64_t)c->idle_timeout_ms / 4 + 1;
+    uv_timer_start(&d->idle_timer, on_idle_timer, every, every);
+  }
+  uint64_t wd_us = 0;
+  if (sd_watchdog_enabled(0, &wd_us) > 0 && wd_us > 0)
+    uv_timer_start(&d->watchdog_timer, on_watchdog_timer, wd_us / 2000 + 1, wd_us / 2000 + 1);
   fprintf(stderr, "listening on %s\n", da_transport_url(d->tr));
+  sd_notify(0, "READY=1");
   return 0;
 }
 
@@ -555,7 +732,7 @@ static void cleanup(da_daemon *d) {
 }
 
 int da_daemon_main(const da_config *cfg) {
-  static da_daemon dd; /* large (stats rings); one per process */
+  static da_daemon dd; /* large (stats histograms); one per process */
   da_daemon *d = &dd;
   memset(d, 0, sizeof(*d));
   d->cfg = cfg;
@@ -568,11 +745,13 @@ int da_daemon_main(const da_config *cfg) {
   signal(SIGPIPE, SIG_IGN);
   if (start(d) != 0) {
     cleanup(d);
+    watchdog_stop();
     return DA_EXIT_START;
   }
   uv_run(&d->loop, UV_RUN_DEFAULT);
   int code = d->exit_code;
   cleanup(d);
+  watchdog_stop();
   da_log_info("exit %d", code);
   return code;
 }

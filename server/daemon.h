@@ -18,8 +18,12 @@
  * not started are cancelled, and its sequences are closed as soon as their running work
  * finishes (pages go back to the pool).
  *
- * SIGTERM/SIGINT: new requests get UNAVAILABLE "draining"; everything accepted is finished
- * and answered, then the daemon exits 0. A backend run that reports a sticky device error
+ * SIGTERM/SIGINT: the listener closes (no new connections), new requests get UNAVAILABLE
+ * "draining"; everything accepted is finished and answered, then the daemon exits 0. The
+ * whole shutdown is bounded: past drain-timeout-ms (+ 2 s to close the socket) the daemon
+ * removes its ipc socket, releases its lock and exits 4 whatever is still running or
+ * stuck (a watchdog thread; nng_close has been seen to hang). Under systemd it reports
+ * READY=1, STOPPING=1 and WATCHDOG=1 (Type=notify, WatchdogSec). A backend run that reports a sticky device error
  * (UNAVAILABLE) fails the requests of that batch and of every later one (UNAVAILABLE, with
  * the backend's message), new requests get UNAVAILABLE, and the daemon exits 3. The test
  * setting --fail-after-batches N makes batch N and later fail this way without a device.
@@ -37,6 +41,7 @@
 #define DA_EXIT_START 1  /* could not start: backend, KV cache or listener */
 #define DA_EXIT_CONFIG 2 /* bad settings */
 #define DA_EXIT_DEVICE 3 /* the backend's device failed for good */
+#define DA_EXIT_TIMEOUT 4 /* SIGTERM: the drain or the close did not finish before its deadline */
 
 /* Runs a daemon with cfg until it is told to stop; returns a DA_EXIT_* code. Prints
  * "listening on <url>" to stderr when it accepts requests. */

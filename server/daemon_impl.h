@@ -14,6 +14,7 @@
 #include <uv.h>
 
 #include "backend.h"
+#include "hist.h"
 #include "config.h"
 #include "kvcache.h"
 #include "scheduler.h"
@@ -22,19 +23,25 @@
 #include "worker.h"
 
 #define N_BUCKETS 256
-#define N_SAMPLES 4096
 #define EVENTS_PER_TICK 256
 #define N_GONE 1024
 #define DRAIN_LINGER_MS 200
+#define CLOSE_GRACE_MS 2000 /* after the drain deadline, for closing the socket */
 
 typedef struct request request;
+typedef struct seq_slot seq_slot;
 
 typedef struct client {
   uint32_t id;
   da_peer peer; /* who connected: credentials and the principal (transport.h) */
   int dead;
-  int n_seqs; /* sequences it owns */
-  int n_reqs; /* requests alive that point at it */
+  int stats_all; /* may see every client's numbers in Stats */
+  int n_seqs;    /* sequences it owns, listed from seqs */
+  seq_slot *seqs;
+  int n_reqs;    /* requests alive that point at it */
+  uint64_t last_ns; /* connect, or its latest request */
+  uint64_t requests, errors, forward_tokens;
+  uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
   da_sched_queue q;
   request *held_head, *held_tail; /* waiting for a sequence to go idle */
   int drain_marked;
@@ -42,13 +49,14 @@ typedef struct client {
   struct client *drain_next; /* clients whose held requests may now run */
 } client;
 
-typedef struct seq_slot {
+struct seq_slot {
   uint64_t wire; /* 0: free */
   uint32_t generation;
   client *owner;
+  seq_slot *onext, *oprev; /* the owner's list */
   int pending; /* admitted items not yet completed */
   int closing; /* owner gone: close when pending reaches 0 */
-} seq_slot;
+};
 
 struct request {
   da_tctx *ctx;
@@ -64,12 +72,6 @@ struct request {
   request *next; /* held queue */
 };
 
-/* Count, sum, max over all time; the last N_SAMPLES samples for percentiles. */
-typedef struct summary {
-  uint64_t count;
-  double sum, max;
-  double ring[N_SAMPLES];
-} summary;
 
 typedef struct da_daemon {
   const da_config *cfg;
@@ -78,7 +80,7 @@ typedef struct da_daemon {
   uv_loop_t loop;
   uv_async_t ev_async, done_async;
   uv_signal_t sigterm, sigint;
-  uv_timer_t wait_timer, linger_timer;
+  uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer;
   int n_handles; /* open uv handles */
   da_backend *be;
   const da_backend_info *info;
@@ -102,10 +104,15 @@ typedef struct da_daemon {
   int draining, fatal, stopping, lingered;
   int exit_code;
   uint64_t start_ns;
-  /* stats */
+  int max_connections; /* after the open-file limit check */
+  uint32_t self_uid;
+  uint32_t stats_uids[64];
+  int n_stats_uids;
+  /* stats (histograms: kernels/hist.h; times in ns) */
   uint64_t requests, errors, forward_tokens, batches, inrow_rows, partial_rows;
   uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
-  summary batch_tokens, batch_requests, queue_us;
+  da_hist batch_tokens, batch_requests, queue_ns, batch_run_ns;
+  da_hist op_ns[DA_OP_COUNT]; /* receipt to reply, per op */
 } da_daemon;
 
 /* ---- daemon.c ---- */
@@ -119,14 +126,16 @@ int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire);
 void da_daemon_seq_release(da_daemon *d, seq_slot *s);
 /* Frees c once it is disconnected and nothing refers to it any more. */
 void da_daemon_client_maybe_free(da_daemon *d, client *c);
-/* Count, mean, max, p50 and p99 of s. */
-void da_daemon_summary_get(const summary *s, da_wire_summary *out);
+/* Count, mean, max, p50 and p99 of h, each multiplied by scale (1e-3: ns to us). */
+void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out);
 
 /* ---- ops.c ---- */
 
-/* Counts the reply in the stats and sends it on ctx (nothing is sent once the transport is
- * closed). Does not take resp. */
-void da_ops_send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp);
+/* Counts the reply in the stats (the daemon's and, when not NULL, client c's, with the time
+ * since recv_ns) and sends it on ctx (nothing is sent once the transport is closed). Does
+ * not take resp. */
+void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t recv_ns,
+                       const da_wire_response *resp);
 /* Answers r with code and msg and frees r. */
 void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg);
 /* Frees r and drops its reference to its client (which may free the client). */

@@ -30,8 +30,18 @@ void da_ops_request_free(da_daemon *d, request *r) {
   }
 }
 
-void da_ops_send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_response *resp) {
+void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t recv_ns,
+                       const da_wire_response *resp) {
   d->requests++;
+  if (recv_ns) da_hist_record(&d->op_ns[op], da_now_ns() - recv_ns);
+  if (c) {
+    c->requests++;
+    if (resp->code == 0) c->op_ok[op]++;
+    else {
+      c->errors++;
+      c->op_errors[op]++;
+    }
+  }
   if (resp->code == 0) d->op_ok[op]++;
   else {
     d->errors++;
@@ -44,7 +54,7 @@ void da_ops_send_reply(da_daemon *d, da_tctx *ctx, da_op op, const da_wire_respo
 
 void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg) {
   da_wire_response resp = {.id = r->w.id, .code = code, .message = msg};
-  da_ops_send_reply(d, r->ctx, r->w.op, &resp);
+  da_ops_send_reply(d, r->cl, r->ctx, r->w.op, r->recv_ns, &resp);
   da_ops_request_free(d, r);
 }
 
@@ -52,7 +62,7 @@ static void reply_ok(da_daemon *d, request *r, da_wire_response *resp) {
   resp->id = r->w.id;
   resp->code = 0;
   resp->op = r->w.op;
-  da_ops_send_reply(d, r->ctx, r->w.op, resp);
+  da_ops_send_reply(d, r->cl, r->ctx, r->w.op, r->recv_ns, resp);
   da_ops_request_free(d, r);
 }
 
@@ -83,26 +93,45 @@ static int op_hello(da_daemon *d, request *r) {
   return 1;
 }
 
+/* Stats: O(1) in the daemon's history (histograms, no sorting). A caller allowed to
+ * (stats_all) sees every client's counts; any other sees its own requests, sequences and
+ * pages, the pool's capacity, and the batch statistics. */
 static int op_stats(da_daemon *d, request *r) {
   da_wire_stats_reply s = {
       .uptime_ms = (da_now_ns() - d->start_ns) / 1000000u,
-      .requests = d->requests,
-      .errors = d->errors,
-      .forward_tokens = d->forward_tokens,
       .batches = d->batches,
       .inrow_rows = d->inrow_rows,
       .partial_rows = d->partial_rows,
       .kv_pages_total = (uint32_t)da_kvcache_pages_total(d->kv),
       .kv_pages_free = (uint32_t)da_kvcache_pages_free(d->kv),
-      .sequences = (uint32_t)da_kvcache_seqs_open(d->kv),
-      .clients = (uint32_t)d->n_clients,
   };
-  s.kv_pages_used = s.kv_pages_total - s.kv_pages_free;
-  memcpy(s.op_ok, d->op_ok, sizeof(s.op_ok));
-  memcpy(s.op_errors, d->op_errors, sizeof(s.op_errors));
-  da_daemon_summary_get(&d->batch_tokens, &s.batch_tokens);
-  da_daemon_summary_get(&d->batch_requests, &s.batch_requests);
-  da_daemon_summary_get(&d->queue_us, &s.queue_us);
+  const client *c = r->cl;
+  if (c->stats_all) {
+    s.requests = d->requests;
+    s.errors = d->errors;
+    s.forward_tokens = d->forward_tokens;
+    s.sequences = (uint32_t)da_kvcache_seqs_open(d->kv);
+    s.clients = (uint32_t)d->n_clients;
+    s.kv_pages_used = s.kv_pages_total - s.kv_pages_free;
+    memcpy(s.op_ok, d->op_ok, sizeof(s.op_ok));
+    memcpy(s.op_errors, d->op_errors, sizeof(s.op_errors));
+  } else {
+    s.requests = c->requests;
+    s.errors = c->errors;
+    s.forward_tokens = c->forward_tokens;
+    s.sequences = (uint32_t)c->n_seqs;
+    s.clients = 1;
+    for (const seq_slot *q = c->seqs; q; q = q->onext) {
+      int n = 0;
+      da_kvcache_pages(d->kv, (uint32_t)(q - d->seqs), &n);
+      s.kv_pages_used += (uint32_t)n;
+    }
+    memcpy(s.op_ok, c->op_ok, sizeof(s.op_ok));
+    memcpy(s.op_errors, c->op_errors, sizeof(s.op_errors));
+  }
+  da_daemon_summary_get(&d->batch_tokens, 1.0, &s.batch_tokens);
+  da_daemon_summary_get(&d->batch_requests, 1.0, &s.batch_requests);
+  da_daemon_summary_get(&d->queue_ns, 1e-3, &s.queue_us);
   da_wire_response resp = {.stats = &s};
   reply_ok(d, r, &resp);
   return 1;
@@ -292,6 +321,7 @@ void da_ops_forward_done(da_daemon *d, request *r) {
     }
   }
   d->forward_tokens += (uint64_t)r->w.n_tokens;
+  r->cl->forward_tokens += (uint64_t)r->w.n_tokens;
   da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
   reply_ok(d, r, &resp);
   if (outs != local) free(outs);

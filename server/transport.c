@@ -17,28 +17,55 @@
 
 enum { RECV, HELD, SEND };
 
+#define PIPE_BUCKETS 256
+/* Refusals are logged at most once a second each kind, with the count since the last line. */
+#define REFUSE_LOG_NS 1000000000ull
+
 struct da_tctx {
   da_transport *t;
   nng_ctx ctx;
   nng_aio *aio;
   int state;
+  uint32_t pipe;    /* the connection the held request came from */
+  size_t sent_len;  /* SEND: bytes counted against that connection */
   uint64_t ticket; /* order of this context's pending receive among all contexts' */
 };
+
+/* An admitted connection. Its CONNECT and DISCONNECT events are allocated at admission. */
+typedef struct tpipe {
+  uint32_t id;
+  uint64_t principal;
+  size_t queued; /* reply bytes handed to nng and not yet sent */
+  int dropping;
+  da_event *ev_connect, *ev_disconnect;
+  struct tpipe *next;
+} tpipe;
 
 /* A receive that completed without a request: its ticket is skipped. */
 static da_event no_event;
 
 struct da_transport {
   nng_socket sock;
+  nng_listener listener;
+  int listening;
+  char ipc_path[600]; /* the socket's path for ipc, else "" */
   da_tctx *ctxs;
   int n_ctxs;
   da_wire_limits limits;
   void (*notify)(void *arg);
   void *arg;
   char url[600];
+  int max_connections, max_conn_per_peer, send_timeout_ms;
+  size_t max_reply_bytes;
+  da_peer_policy policy;
+  int have_policy;
   pthread_mutex_t mu;
   pthread_cond_t cv;
   da_event *head, *tail;
+  tpipe *pipes[PIPE_BUCKETS]; /* under mu */
+  da_transport_counts counts; /* under mu */
+  uint64_t refuse_log_ns;
+  uint64_t refused_since_log;
   /* Arrival order. rep0 hands messages to waiting contexts first-come first-served, so
    * the order in which contexts start receiving (ticket, taken under arm_mu together with
    * nng_ctx_recv) is the order in which they get messages. Their callbacks may run in any
@@ -50,20 +77,13 @@ struct da_transport {
   da_event **slots;
   int sending;
   int closing;
+  int refusing; /* new connections are refused (draining) */
 };
 
 static void append(da_transport *t, da_event *ev) {
   if (t->tail) t->tail->next = ev;
   else t->head = ev;
   t->tail = ev;
-}
-
-/* Connection events go straight to the queue. */
-static void push(da_transport *t, da_event *ev) {
-  pthread_mutex_lock(&t->mu);
-  append(t, ev);
-  pthread_mutex_unlock(&t->mu);
-  t->notify(t->arg);
 }
 
 /* Requests go to the queue in ticket order; ev may be &no_event. */
@@ -90,61 +110,23 @@ static void recv_again(da_tctx *c) {
   pthread_mutex_lock(&t->arm_mu);
   c->state = RECV;
   c->ticket = t->arm_ticket++;
+  nng_aio_set_timeout(c->aio, NNG_DURATION_INFINITE);
   nng_ctx_recv(c->ctx, c->aio);
   pthread_mutex_unlock(&t->arm_mu);
 }
 
-static void on_recv(da_tctx *c) {
-  da_transport *t = c->t;
-  int rv = nng_aio_result(c->aio);
-  if (rv != 0) {
-    deliver(t, c->ticket, &no_event);
-    if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
-    da_log_warn("receive failed: %s", nng_strerror(rv));
-    recv_again(c);
-    return;
-  }
-  nng_msg *msg = nng_aio_get_msg(c->aio);
-  nng_aio_set_msg(c->aio, NULL);
-  da_event *ev = calloc(1, sizeof(*ev));
-  if (ev == NULL) {
-    nng_msg_free(msg);
-    deliver(t, c->ticket, &no_event);
-    recv_again(c);
-    return;
-  }
-  ev->kind = DA_EV_REQUEST;
-  ev->client = (uint32_t)nng_pipe_id(nng_msg_get_pipe(msg));
-  ev->ctx = c;
-  ev->recv_ns = da_now_ns();
-  ev->bytes = nng_msg_len(msg);
-  da_wire_decode(&t->limits, nng_msg_body(msg), nng_msg_len(msg), &ev->req);
-  nng_msg_free(msg);
-  c->state = HELD;
-  deliver(t, c->ticket, ev);
+/* ---- connections ---- */
+
+static tpipe **pipe_slot(da_transport *t, uint32_t id) {
+  tpipe **pp = &t->pipes[id % PIPE_BUCKETS];
+  while (*pp && (*pp)->id != id) pp = &(*pp)->next;
+  return pp;
 }
 
-static void on_send(da_tctx *c) {
-  da_transport *t = c->t;
-  int rv = nng_aio_result(c->aio);
-  if (rv != 0) {
-    nng_msg *m = nng_aio_get_msg(c->aio);
-    nng_aio_set_msg(c->aio, NULL);
-    nng_msg_free(m);
-    if (rv != NNG_ECLOSED) da_log_debug("reply not sent: %s", nng_strerror(rv));
-  }
-  pthread_mutex_lock(&t->mu);
-  t->sending--;
-  int closing = t->closing;
-  if (closing) pthread_cond_broadcast(&t->cv);
-  pthread_mutex_unlock(&t->mu);
-  if (!closing && rv != NNG_ECLOSED) recv_again(c);
-}
-
-static void on_aio(void *arg) {
-  da_tctx *c = arg;
-  if (c->state == SEND) on_send(c);
-  else on_recv(c);
+static nng_pipe pipe_of(uint32_t id) {
+  nng_pipe p = NNG_PIPE_INITIALIZER;
+  p.id = id;
+  return p;
 }
 
 /* Returns NNG_ENOENT when the pipe is gone (out then names only the pipe). */
@@ -156,8 +138,7 @@ static int peer_of(nng_pipe p, da_peer *out) {
   uint64_t uid, gid, pid;
   int rv = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_UID, &uid);
   if (rv == NNG_ENOENT) return rv;
-  if (rv == 0 &&
-      nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_GID, &gid) == 0 &&
+  if (rv == 0 && nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_GID, &gid) == 0 &&
       nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_PID, &pid) == 0) {
     out->has_creds = 1;
     out->uid = (uint32_t)uid;
@@ -186,20 +167,297 @@ static int peer_of(nng_pipe p, da_peer *out) {
 
 int da_transport_peer(da_transport *t, uint32_t client, da_peer *out) {
   (void)t;
-  nng_pipe p = NNG_PIPE_INITIALIZER;
-  p.id = client;
-  return peer_of(p, out) == NNG_ENOENT ? DETATTN_NOT_FOUND : 0;
+  return peer_of(pipe_of(client), out) == NNG_ENOENT ? DETATTN_NOT_FOUND : 0;
+}
+
+static int id_in(uint32_t id, const uint32_t *ids, int n) {
+  for (int i = 0; i < n; i++)
+    if (ids[i] == id) return 1;
+  return 0;
+}
+
+static int peer_allowed(const da_peer_policy *pol, const da_peer *p) {
+  if (!p->has_creds) return 1;
+  if (p->uid == 0 || p->uid == pol->self_uid) return 1;
+  if (id_in(p->uid, pol->uids, pol->n_uids) || id_in(p->gid, pol->gids, pol->n_gids)) return 1;
+  return pol->n_uids == 0 && p->gid == pol->self_gid;
+}
+
+/* Called with mu held; logs a refusal unless one was logged less than a second ago. */
+static void refuse_log(da_transport *t, const da_peer *p, const char *why) {
+  uint64_t now = da_now_ns();
+  t->refused_since_log++;
+  if (now - t->refuse_log_ns < REFUSE_LOG_NS) return;
+  da_log_warn("refused a connection from %s: %s (%llu refused since the last such line)", p->name, why,
+              (unsigned long long)t->refused_since_log);
+  t->refuse_log_ns = now;
+  t->refused_since_log = 0;
+}
+
+/* ADD_PRE: nothing has been read from the connection yet. Admit it or close it. */
+static void on_add_pre(da_transport *t, nng_pipe p) {
+  da_peer peer;
+  peer_of(p, &peer);
+  const char *why = NULL;
+  char buf[160];
+  pthread_mutex_lock(&t->mu);
+  if (t->closing || t->refusing) {
+    why = "the daemon is shutting down";
+  } else if (t->max_connections > 0 && t->counts.open >= t->max_connections) {
+    snprintf(buf, sizeof buf, "%d connections open (--max-connections)", t->counts.open);
+    why = buf;
+    t->counts.refused_cap++;
+  } else if (t->have_policy && !peer_allowed(&t->policy, &peer)) {
+    snprintf(buf, sizeof buf, "uid %u gid %u is not allowed (--allow-uids, --allow-gids)", peer.uid, peer.gid);
+    why = buf;
+    t->counts.refused_creds++;
+  } else if (t->max_conn_per_peer > 0) {
+    int n = 0;
+    for (int b = 0; b < PIPE_BUCKETS; b++)
+      for (tpipe *x = t->pipes[b]; x; x = x->next) n += x->principal == peer.principal;
+    if (n >= t->max_conn_per_peer) {
+      snprintf(buf, sizeof buf, "%d connections from this peer (--max-conn-per-peer)", n);
+      why = buf;
+      t->counts.refused_peer++;
+    }
+  }
+  tpipe *x = NULL;
+  if (why == NULL) {
+    x = calloc(1, sizeof(*x));
+    da_event *a = calloc(1, sizeof(*a)), *d = calloc(1, sizeof(*d));
+    if (x == NULL || a == NULL || d == NULL) {
+      free(x);
+      free(a);
+      free(d);
+      x = NULL;
+      why = "out of memory";
+    } else {
+      x->id = (uint32_t)nng_pipe_id(p);
+      x->principal = peer.principal;
+      a->kind = DA_EV_CONNECT;
+      a->client = x->id;
+      a->peer = peer;
+      d->kind = DA_EV_DISCONNECT;
+      d->client = x->id;
+      x->ev_connect = a;
+      x->ev_disconnect = d;
+      tpipe **pp = pipe_slot(t, x->id);
+      x->next = *pp;
+      *pp = x;
+      t->counts.open++;
+      t->counts.accepted++;
+    }
+  }
+  if (why) refuse_log(t, &peer, why);
+  pthread_mutex_unlock(&t->mu);
+  if (why) nng_pipe_close(p);
 }
 
 static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
   da_transport *t = arg;
-  da_event *e = calloc(1, sizeof(*e));
-  if (e == NULL) return;
-  e->kind = ev == NNG_PIPE_EV_ADD_POST ? DA_EV_CONNECT : DA_EV_DISCONNECT;
-  e->client = (uint32_t)nng_pipe_id(p);
-  e->recv_ns = da_now_ns();
-  if (e->kind == DA_EV_CONNECT) peer_of(p, &e->peer);
-  push(t, e);
+  if (ev == NNG_PIPE_EV_ADD_PRE) {
+    on_add_pre(t, p);
+    return;
+  }
+  uint32_t id = (uint32_t)nng_pipe_id(p);
+  da_event *e = NULL;
+  pthread_mutex_lock(&t->mu);
+  tpipe **pp = pipe_slot(t, id), *x = *pp;
+  if (x && ev == NNG_PIPE_EV_ADD_POST) {
+    e = x->ev_connect;
+    x->ev_connect = NULL;
+  } else if (x && ev == NNG_PIPE_EV_REM_POST) {
+    *pp = x->next;
+    t->counts.open--;
+    if (x->ev_connect == NULL) e = x->ev_disconnect; /* the loop saw it connect */
+    else {
+      free(x->ev_connect);
+      free(x->ev_disconnect);
+    }
+    free(x);
+  }
+  if (e) {
+    e->recv_ns = da_now_ns();
+    append(t, e);
+  }
+  pthread_mutex_unlock(&t->mu);
+  if (e) t->notify(t->arg);
+}
+
+void da_transport_drop(da_transport *t, uint32_t client, const char *why) {
+  pthread_mutex_lock(&t->mu);
+  tpipe *x = *pipe_slot(t, client);
+  int drop = x && !x->dropping;
+  if (drop) x->dropping = 1;
+  pthread_mutex_unlock(&t->mu);
+  if (!drop) return;
+  da_log_warn("client %u: %s; connection closed", client, why);
+  nng_pipe_close(pipe_of(client));
+}
+
+void da_transport_counts_get(da_transport *t, da_transport_counts *out) {
+  pthread_mutex_lock(&t->mu);
+  *out = t->counts;
+  pthread_mutex_unlock(&t->mu);
+}
+
+/* ---- requests and replies ---- */
+
+static void on_recv(da_tctx *c) {
+  da_transport *t = c->t;
+  int rv = nng_aio_result(c->aio);
+  if (rv != 0) {
+    deliver(t, c->ticket, &no_event);
+    if (rv == NNG_ECLOSED || rv == NNG_ECANCELED) return;
+    da_log_warn("receive failed: %s", nng_strerror(rv));
+    recv_again(c);
+    return;
+  }
+  nng_msg *msg = nng_aio_get_msg(c->aio);
+  nng_aio_set_msg(c->aio, NULL);
+  da_event *ev = calloc(1, sizeof(*ev));
+  if (ev == NULL) {
+    nng_msg_free(msg);
+    deliver(t, c->ticket, &no_event);
+    recv_again(c);
+    return;
+  }
+  ev->kind = DA_EV_REQUEST;
+  ev->client = (uint32_t)nng_pipe_id(nng_msg_get_pipe(msg));
+  ev->ctx = c;
+  ev->recv_ns = da_now_ns();
+  ev->bytes = nng_msg_len(msg);
+  /* Decoding may allocate a multiple of what arrived, never the whole budget for a small
+   * message (a Forward of a million empty sequences is 2 MB on the wire). */
+  da_wire_limits lim = t->limits;
+  size_t budget = 4 * ev->bytes + ((size_t)64 << 10);
+  if (budget < lim.decode_bytes) lim.decode_bytes = budget;
+  da_wire_decode(&lim, nng_msg_body(msg), nng_msg_len(msg), &ev->req);
+  nng_msg_free(msg);
+  c->pipe = ev->client;
+  c->state = HELD;
+  deliver(t, c->ticket, ev);
+}
+
+static void on_send(da_tctx *c) {
+  da_transport *t = c->t;
+  int rv = nng_aio_result(c->aio);
+  if (rv != 0) {
+    nng_msg *m = nng_aio_get_msg(c->aio);
+    nng_aio_set_msg(c->aio, NULL);
+    nng_msg_free(m);
+    if (rv == NNG_ETIMEDOUT) {
+      char why[96];
+      snprintf(why, sizeof why, "a reply was not taken within %d ms (--send-timeout-ms)", t->send_timeout_ms);
+      pthread_mutex_lock(&t->mu);
+      t->counts.dropped_slow++;
+      pthread_mutex_unlock(&t->mu);
+      da_transport_drop(t, c->pipe, why);
+    } else if (rv != NNG_ECLOSED) {
+      da_log_debug("reply not sent: %s", nng_strerror(rv));
+    }
+  }
+  pthread_mutex_lock(&t->mu);
+  tpipe *x = *pipe_slot(t, c->pipe);
+  if (x) x->queued -= c->sent_len;
+  t->sending--;
+  int closing = t->closing;
+  if (closing) pthread_cond_broadcast(&t->cv);
+  pthread_mutex_unlock(&t->mu);
+  if (!closing && rv != NNG_ECLOSED) recv_again(c);
+}
+
+static void on_aio(void *arg) {
+  da_tctx *c = arg;
+  if (c->state == SEND) on_send(c);
+  else on_recv(c);
+}
+
+static void *msg_alloc(void *arg, size_t n) {
+  nng_msg **m = arg;
+  if (nng_msg_alloc(m, n) != 0) return NULL;
+  return nng_msg_body(*m);
+}
+
+/* The context goes back to receiving without sending anything. */
+static void discard(da_transport *t, da_tctx *c, nng_msg *m) {
+  nng_msg_free(m);
+  pthread_mutex_lock(&t->mu);
+  int closing = t->closing;
+  pthread_mutex_unlock(&t->mu);
+  if (!closing) recv_again(c);
+}
+
+int da_transport_reply(da_transport *t, da_tctx *c, const da_wire_response *r) {
+  nng_msg *m = NULL;
+  void *buf;
+  size_t len;
+  int rv = da_wire_encode(r, msg_alloc, &m, &buf, &len);
+  if (rv != 0) {
+    da_wire_response e = {.id = r->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = "reply too large to encode"};
+    m = NULL;
+    rv = da_wire_encode(&e, msg_alloc, &m, &buf, &len);
+  }
+  if (rv != 0) {
+    da_log_warn("request %llu: cannot encode a reply", (unsigned long long)r->id);
+    discard(t, c, NULL);
+    return rv;
+  }
+  pthread_mutex_lock(&t->mu);
+  tpipe *x = *pipe_slot(t, c->pipe);
+  int gone = x == NULL || x->dropping, over = 0;
+  if (!gone && t->max_reply_bytes > 0 && x->queued + len > t->max_reply_bytes) over = 1;
+  if (!gone && !over) {
+    x->queued += len;
+    c->sent_len = len;
+    t->sending++;
+  }
+  size_t queued = x ? x->queued : 0;
+  pthread_mutex_unlock(&t->mu);
+  if (gone || over) {
+    if (over) {
+      char why[128];
+      snprintf(why, sizeof why, "%zu reply bytes not taken, %zu more would pass --max-reply-bytes", queued, len);
+      pthread_mutex_lock(&t->mu);
+      t->counts.dropped_slow++;
+      pthread_mutex_unlock(&t->mu);
+      da_transport_drop(t, c->pipe, why);
+    }
+    discard(t, c, m);
+    return DETATTN_UNAVAILABLE;
+  }
+  c->state = SEND;
+  nng_aio_set_msg(c->aio, m);
+  nng_aio_set_timeout(c->aio, t->send_timeout_ms > 0 ? t->send_timeout_ms : NNG_DURATION_INFINITE);
+  nng_ctx_send(c->ctx, c->aio);
+  return 0;
+}
+
+/* ---- the ipc path ---- */
+
+/* The directory of an ipc socket must not let another user replace or squat the socket:
+ * owned by us (or root), not a link, not writable by others unless sticky. */
+static int check_dir(const char *path, char *err, size_t errlen) {
+  struct stat st;
+  if (lstat(path, &st) != 0) {
+    snprintf(err, errlen, "ipc directory %s: %s", path, strerror(errno));
+    return DETATTN_UNAVAILABLE;
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    snprintf(err, errlen, "ipc directory %s is not a directory (a link or a file)", path);
+    return DETATTN_PERMISSION_DENIED;
+  }
+  if (st.st_uid != geteuid() && st.st_uid != 0) {
+    snprintf(err, errlen, "ipc directory %s belongs to uid %u, not to this daemon's user (%u): refusing it",
+             path, (unsigned)st.st_uid, (unsigned)geteuid());
+    return DETATTN_PERMISSION_DENIED;
+  }
+  if ((st.st_mode & 022) && !(st.st_mode & S_ISVTX)) {
+    snprintf(err, errlen, "ipc directory %s is writable by group or others (mode %04o) and not sticky: refusing it",
+             path, (unsigned)(st.st_mode & 07777));
+    return DETATTN_PERMISSION_DENIED;
+  }
+  return 0;
 }
 
 static int make_ipc_dir(const char *url, char *err, size_t errlen) {
@@ -207,7 +465,8 @@ static int make_ipc_dir(const char *url, char *err, size_t errlen) {
   char path[600];
   snprintf(path, sizeof(path), "%s", url + 6);
   char *slash = strrchr(path, '/');
-  if (slash == NULL || slash == path) return 0;
+  if (slash == NULL) return 0;
+  if (slash == path) return check_dir("/", err, errlen);
   *slash = '\0';
   for (char *p = path + 1; *p; p++) {
     if (*p != '/') continue;
@@ -216,7 +475,7 @@ static int make_ipc_dir(const char *url, char *err, size_t errlen) {
     *p = '/';
   }
   if (mkdir(path, 0700) != 0 && errno != EEXIST) goto fail;
-  return 0;
+  return check_dir(path, err, errlen);
 fail:
   snprintf(err, errlen, "cannot create ipc directory %s: %s", path, strerror(errno));
   return DETATTN_UNAVAILABLE;
@@ -231,10 +490,17 @@ static int lock_ipc(const char *url, int *fd_out, char *err, size_t errlen) {
   if (strncmp(url, "ipc://", 6) != 0) return 0;
   char path[620];
   snprintf(path, sizeof(path), "%s.lock", url + 6);
-  int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  int fd = open(path, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) {
-    snprintf(err, errlen, "cannot open lock file %s: %s", path, strerror(errno));
-    return DETATTN_UNAVAILABLE;
+    snprintf(err, errlen, "cannot open lock file %s: %s", path,
+             errno == ELOOP ? "it is a symbolic link" : strerror(errno));
+    return errno == ELOOP ? DETATTN_PERMISSION_DENIED : DETATTN_UNAVAILABLE;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
+    snprintf(err, errlen, "lock file %s is not a regular file of this daemon's user: refusing it", path);
+    close(fd);
+    return DETATTN_PERMISSION_DENIED;
   }
   if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
     snprintf(err, errlen, "cannot listen on %s: another detattnd holds %s", url, path);
@@ -245,19 +511,14 @@ static int lock_ipc(const char *url, int *fd_out, char *err, size_t errlen) {
   return 0;
 }
 
-/* For tcp://host:0, the port the listener bound. */
+/* For a tcp port 0 (tcp:// or tls+tcp://), the port the listener bound. */
 static void resolve_url(da_transport *t, nng_listener l, const char *url) {
   snprintf(t->url, sizeof(t->url), "%s", url);
   size_t n = strlen(url);
-  if (strncmp(url, "tcp://", 6) != 0 || n < 2 || strcmp(url + n - 2, ":0") != 0) return;
-  nng_sockaddr sa;
-  if (nng_listener_get_addr(l, NNG_OPT_LOCADDR, &sa) != 0) return;
-  unsigned port = 0;
-  if (sa.s_family == NNG_AF_INET) port = sa.s_in.sa_port;
-  else if (sa.s_family == NNG_AF_INET6) port = sa.s_in6.sa_port;
-  else return;
-  port = ((port & 0xff) << 8) | ((port >> 8) & 0xff);
-  snprintf(t->url, sizeof(t->url), "%.*s:%u", (int)(n - 2), url, port);
+  if (strstr(url, "tcp://") == NULL || n < 2 || strcmp(url + n - 2, ":0") != 0) return;
+  int port = 0;
+  if (nng_listener_get_int(l, NNG_OPT_TCP_BOUND_PORT, &port) != 0 || port <= 0) return;
+  snprintf(t->url, sizeof(t->url), "%.*s:%d", (int)(n - 2), url, port);
 }
 
 int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen) {
@@ -267,6 +528,14 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   t->limits = cfg->limits;
   t->notify = cfg->notify;
   t->arg = cfg->arg;
+  t->max_connections = cfg->max_connections;
+  t->max_conn_per_peer = cfg->max_conn_per_peer;
+  t->send_timeout_ms = cfg->send_timeout_ms;
+  t->max_reply_bytes = cfg->max_reply_bytes;
+  if (cfg->policy) {
+    t->policy = *cfg->policy;
+    t->have_policy = 1;
+  }
   pthread_mutex_init(&t->mu, NULL);
   pthread_cond_init(&t->cv, NULL);
   pthread_mutexattr_t ma;
@@ -275,6 +544,7 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   pthread_mutex_init(&t->arm_mu, &ma);
   pthread_mutexattr_destroy(&ma);
   t->lock_fd = -1;
+  if (strncmp(cfg->url, "ipc://", 6) == 0) snprintf(t->ipc_path, sizeof(t->ipc_path), "%s", cfg->url + 6);
   if ((rv = make_ipc_dir(cfg->url, err, errlen)) != 0) goto fail_sock;
   if ((rv = lock_ipc(cfg->url, &t->lock_fd, err, errlen)) != 0) goto fail_sock;
   if ((rv = nng_rep0_open(&t->sock)) != 0) {
@@ -282,9 +552,8 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
     rv = DETATTN_INTERNAL;
     goto fail_sock;
   }
-  size_t hard = cfg->limits.max_message_bytes * 2;
-  if (hard < cfg->limits.max_message_bytes + (1u << 20)) hard = cfg->limits.max_message_bytes + (1u << 20);
-  nng_socket_set_size(t->sock, NNG_OPT_RECVMAXSZ, hard);
+  nng_socket_set_size(t->sock, NNG_OPT_RECVMAXSZ, cfg->limits.max_message_bytes + ((size_t)64 << 10));
+  nng_pipe_notify(t->sock, NNG_PIPE_EV_ADD_PRE, on_pipe, t);
   nng_pipe_notify(t->sock, NNG_PIPE_EV_ADD_POST, on_pipe, t);
   nng_pipe_notify(t->sock, NNG_PIPE_EV_REM_POST, on_pipe, t);
   t->ctxs = calloc((size_t)cfg->n_contexts, sizeof(*t->ctxs));
@@ -305,13 +574,24 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
       goto fail_nng;
     }
   }
-  nng_listener l;
-  if ((rv = nng_listener_create(&l, t->sock, cfg->url)) != 0 || (rv = nng_listener_start(l, 0)) != 0) {
+  if ((rv = nng_listener_create(&t->listener, t->sock, cfg->url)) != 0) {
     snprintf(err, errlen, "cannot listen on %s: %s", cfg->url, nng_strerror(rv));
     rv = DETATTN_UNAVAILABLE;
     goto fail_listen;
   }
-  resolve_url(t, l, cfg->url);
+  if (t->ipc_path[0] && cfg->ipc_mode > 0 &&
+      (rv = nng_listener_set_int(t->listener, NNG_OPT_IPC_PERMISSIONS, cfg->ipc_mode)) != 0) {
+    snprintf(err, errlen, "ipc socket mode %04o: %s", (unsigned)cfg->ipc_mode, nng_strerror(rv));
+    rv = DETATTN_UNAVAILABLE;
+    goto fail_listen;
+  }
+  if ((rv = nng_listener_start(t->listener, 0)) != 0) {
+    snprintf(err, errlen, "cannot listen on %s: %s", cfg->url, nng_strerror(rv));
+    rv = DETATTN_UNAVAILABLE;
+    goto fail_listen;
+  }
+  t->listening = 1;
+  resolve_url(t, t->listener, cfg->url);
   for (int i = 0; i < t->n_ctxs; i++) recv_again(&t->ctxs[i]);
   *out = t;
   return 0;
@@ -324,9 +604,18 @@ fail_listen:
   for (int i = 0; i < t->n_ctxs; i++) nng_aio_free(t->ctxs[i].aio);
   free(t->ctxs);
   free(t->slots);
-  goto fail_sock;
+  goto fail_pipes;
 fail_ctxs:
   nng_close(t->sock);
+fail_pipes:
+  for (int b = 0; b < PIPE_BUCKETS; b++)
+    while (t->pipes[b]) {
+      tpipe *x = t->pipes[b];
+      t->pipes[b] = x->next;
+      free(x->ev_connect);
+      free(x->ev_disconnect);
+      free(x);
+    }
 fail_sock:
   if (t->lock_fd >= 0) close(t->lock_fd);
   pthread_mutex_destroy(&t->arm_mu);
@@ -337,6 +626,8 @@ fail_sock:
 }
 
 const char *da_transport_url(const da_transport *t) { return t->url; }
+
+int da_transport_lock_fd(const da_transport *t) { return t ? t->lock_fd : -1; }
 
 da_event *da_transport_poll(da_transport *t) {
   pthread_mutex_lock(&t->mu);
@@ -356,41 +647,20 @@ void da_transport_event_free(da_event *ev) {
   free(ev);
 }
 
-static void *msg_alloc(void *arg, size_t n) {
-  nng_msg **m = arg;
-  if (nng_msg_alloc(m, n) != 0) return NULL;
-  return nng_msg_body(*m);
-}
-
-int da_transport_reply(da_transport *t, da_tctx *c, const da_wire_response *r) {
-  nng_msg *m = NULL;
-  void *buf;
-  size_t len;
-  int rv = da_wire_encode(r, msg_alloc, &m, &buf, &len);
-  if (rv != 0) {
-    da_wire_response e = {.id = r->id, .code = DETATTN_RESOURCE_EXHAUSTED, .message = "reply too large to encode"};
-    m = NULL;
-    rv = da_wire_encode(&e, msg_alloc, &m, &buf, &len);
-  }
-  if (rv != 0) {
-    da_log_warn("request %llu: cannot encode a reply", (unsigned long long)r->id);
-    pthread_mutex_lock(&t->mu);
-    int closing = t->closing;
-    pthread_mutex_unlock(&t->mu);
-    if (!closing) recv_again(c);
-    return rv;
-  }
+/* nng_listener_close would also close the connections it accepted: keep the listener and
+ * refuse new connections at ADD_PRE instead. */
+void da_transport_stop_listening(da_transport *t) {
+  if (t == NULL) return;
   pthread_mutex_lock(&t->mu);
-  t->sending++;
+  t->refusing = 1;
   pthread_mutex_unlock(&t->mu);
-  c->state = SEND;
-  nng_aio_set_msg(c->aio, m);
-  nng_ctx_send(c->ctx, c->aio);
-  return 0;
 }
 
 void da_transport_close(da_transport *t, int wait_ms) {
   if (t == NULL) return;
+  da_transport_stop_listening(t);
+  if (t->listening) nng_listener_close(t->listener);
+  t->listening = 0;
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
   dl.tv_sec += wait_ms / 1000;
@@ -412,6 +682,14 @@ void da_transport_close(da_transport *t, int wait_ms) {
   for (int i = 0; i < t->n_ctxs; i++)
     if (t->slots[i] != NULL && t->slots[i] != &no_event) da_transport_event_free(t->slots[i]);
   free(t->slots);
+  for (int b = 0; b < PIPE_BUCKETS; b++)
+    while (t->pipes[b]) {
+      tpipe *x = t->pipes[b];
+      t->pipes[b] = x->next;
+      free(x->ev_connect);
+      free(x->ev_disconnect);
+      free(x);
+    }
   if (t->lock_fd >= 0) close(t->lock_fd);
   pthread_mutex_destroy(&t->arm_mu);
   pthread_cond_destroy(&t->cv);
