@@ -123,3 +123,5 @@ int da_backend_finish(da_backend *be, da_batch_result *res) {
 }
 
 int da_backend_inflight(const da_backend *be) { return be->n_inflight; }
+
+int da_backend_overlaps(const da_backend *be) { return be->ops->submit != NULL; }

@@ -160,6 +160,9 @@ int da_backend_submit(da_backend *be, const da_batch *b, void (*ready)(void *arg
 int da_backend_finish(da_backend *be, da_batch_result *res);
 /* Batches submitted and not yet finished. */
 int da_backend_inflight(const da_backend *be);
+/* Non-zero when a submitted batch's staging overlaps the running one's device work (the
+ * backend has submit/finish); otherwise submitting ahead only queues it. */
+int da_backend_overlaps(const da_backend *be);
 const da_backend_info *da_backend_get_info(const da_backend *be);
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be);
 

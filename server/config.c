@@ -50,6 +50,11 @@ static const setting table[] = {
      "most tokens in one Forward (all its sequences); max-request-tokens + split-tokens <= max-batch-tokens"},
     {"partial-rows", T_INT, F(partial_rows), 0, 1 << 30, NULL, "256",
      "scheduler: batches with fewer (token, q-head) rows than this run long rows as partials"},
+    {"decode-tokens", T_INT, F(decode_tokens), 1, 4096, NULL, "16",
+     "scheduler: a sequence's Forward of at most this many tokens is decode work, batched before prefill"},
+    {"max-prefill-tokens", T_INT, F(max_prefill_tokens), 0, 1 << 24, NULL, "2048",
+     "scheduler: prefill query tokens per batch; bounds a batch's run time and so how long decode "
+     "waits behind prefill; 0: no limit"},
     {"max-message-bytes", T_I64, F(max_message_bytes), 4096, 1LL << 31, NULL, "67108864",
      "largest request message in bytes"},
     {"max-seqs", T_INT, F(max_seqs), 1, 1 << 20, NULL, "1024", "most sequences open at once"},

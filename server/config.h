@@ -36,6 +36,7 @@ typedef struct da_config {
   int wait_us;
   int max_request_tokens;
   int partial_rows;
+  int decode_tokens, max_prefill_tokens;
   int64_t max_message_bytes;
   int max_seqs, max_seq_tokens;
   /* resources */

@@ -116,6 +116,7 @@ static client *client_add(da_daemon *d, uint32_t id, const da_peer *peer) {
     for (int i = 0; i < d->n_stats_uids && !c->stats_all; i++) c->stats_all = u == d->stats_uids[i];
   }
   da_sched_queue_init(&c->q);
+  c->q.tenant = c->peer.principal; /* fairness per client process (ipc) or address (tcp) */
   c->hnext = d->buckets[id % N_BUCKETS];
   d->buckets[id % N_BUCKETS] = c;
   d->n_clients++;
@@ -323,7 +324,11 @@ static void kick(da_daemon *d) {
       if (b && form(d, b)) submit(d, b);
     }
   }
-  if (d->n_running == 1 && da_sched_pending_tokens(d->sched) > 0) {
+  /* Forming ahead pays off when its staging overlaps the running batch (device backends),
+   * or for decode work; otherwise prefill waits, so that decode arriving meanwhile is not
+   * queued behind two prefill batches. */
+  if (d->n_running == 1 && da_sched_pending_tokens(d->sched) > 0 &&
+      (da_backend_overlaps(d->be) || da_sched_pending_decode(d->sched) > 0)) {
     da_sched_batch *b = free_buf(d);
     if (b && form(d, b)) submit(d, b);
   }
@@ -633,7 +638,8 @@ static int start(da_daemon *d) {
   }
   da_sched_cfg sc = {.model = d->model, .split_tokens = c->split_tokens, .page_tokens = c->page_tokens,
                      .max_batch_tokens = budget, .max_request_tokens = c->max_request_tokens,
-                     .acc_slots = d->info->acc_slots, .partial_rows = c->partial_rows};
+                     .acc_slots = d->info->acc_slots, .partial_rows = c->partial_rows,
+                     .decode_tokens = c->decode_tokens, .max_prefill_tokens = c->max_prefill_tokens};
   if ((rv = da_sched_alloc(&d->sched, &sc, d->kv)) != 0) return rv;
   for (int i = 0; i < DA_WORKER_MAX; i++) da_sched_batch_init(&d->bufs[i]);
 

@@ -4,10 +4,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define TENANT_BUCKETS 256
+
+struct da_sched_tenant {
+  uint64_t key;
+  da_sched_queue *ring;             /* its queues with work; the next to take a turn */
+  da_sched_tenant *next, *prev;     /* ring of tenants with work */
+  da_sched_tenant *hnext;           /* hash chain */
+};
+
 struct da_sched {
   da_sched_cfg cfg;
   da_kvcache *kv;
-  da_sched_queue *ring; /* the queue the next batch starts from; NULL when no work */
+  da_sched_tenant *ring; /* the tenant the next batch starts from; NULL when no work */
+  da_sched_tenant *buckets[TENANT_BUCKETS];
+  int64_t pending_decode;
   da_page_copy *copies; /* planned at admission, not yet in a batch */
   int n_copies, cap_copies;
   da_page_copy *tmp; /* da_kvcache_append's copy plan for one item */
@@ -23,6 +34,7 @@ int da_sched_alloc(da_sched **out, const da_sched_cfg *cfg, da_kvcache *kv) {
   da_sched *s = calloc(1, sizeof(*s));
   if (s == NULL) return DETATTN_RESOURCE_EXHAUSTED;
   s->cfg = *cfg;
+  if (s->cfg.decode_tokens <= 0) s->cfg.decode_tokens = 16;
   s->kv = kv;
   s->cap_tmp = da_kvcache_max_copies(cfg->max_request_tokens, cfg->page_tokens);
   s->tmp = malloc((size_t)s->cap_tmp * sizeof(*s->tmp));
@@ -36,6 +48,12 @@ int da_sched_alloc(da_sched **out, const da_sched_cfg *cfg, da_kvcache *kv) {
 
 void da_sched_free(da_sched *s) {
   if (s == NULL) return;
+  for (int i = 0; i < TENANT_BUCKETS; i++)
+    while (s->buckets[i]) {
+      da_sched_tenant *t = s->buckets[i];
+      s->buckets[i] = t->hnext;
+      free(t);
+    }
   free(s->copies);
   free(s->tmp);
   free(s);
@@ -43,33 +61,70 @@ void da_sched_free(da_sched *s) {
 
 void da_sched_queue_init(da_sched_queue *q) { memset(q, 0, sizeof(*q)); }
 
-static void ring_link(da_sched *s, da_sched_queue *q) {
-  if (q->linked) return;
-  q->linked = 1;
-  if (s->ring == NULL) {
-    q->next = q->prev = q;
-    s->ring = q;
-    return;
+/* Tenants live while they have linked queues; a queue links when it gets work. */
+static int ring_link(da_sched *s, da_sched_queue *q) {
+  if (q->linked) return 0;
+  da_sched_tenant **pp = &s->buckets[q->tenant % TENANT_BUCKETS], *t = *pp;
+  while (t && t->key != q->tenant) t = t->hnext;
+  if (t == NULL) {
+    t = calloc(1, sizeof(*t));
+    if (t == NULL) return DETATTN_RESOURCE_EXHAUSTED;
+    t->key = q->tenant;
+    t->hnext = *pp;
+    *pp = t;
   }
-  /* Newcomers join at the end of the rotation. */
-  q->next = s->ring;
-  q->prev = s->ring->prev;
+  q->linked = 1;
+  q->t = t;
+  if (t->ring == NULL) {
+    q->next = q->prev = q;
+    t->ring = q;
+    /* Newcomers join at the end of the rotation. */
+    if (s->ring == NULL) {
+      t->next = t->prev = t;
+      s->ring = t;
+    } else {
+      t->next = s->ring;
+      t->prev = s->ring->prev;
+      t->prev->next = t;
+      s->ring->prev = t;
+    }
+    return 0;
+  }
+  q->next = t->ring;
+  q->prev = t->ring->prev;
   q->prev->next = q;
-  s->ring->prev = q;
+  t->ring->prev = q;
+  return 0;
 }
 
 static void ring_unlink(da_sched *s, da_sched_queue *q) {
   if (!q->linked) return;
+  da_sched_tenant *t = q->t;
   q->linked = 0;
-  if (q->next == q) {
-    s->ring = NULL;
-  } else {
+  q->t = NULL;
+  if (q->next != q) {
     q->prev->next = q->next;
     q->next->prev = q->prev;
-    if (s->ring == q) s->ring = q->next;
+    if (t->ring == q) t->ring = q->next;
+    q->next = q->prev = NULL;
+    return;
   }
   q->next = q->prev = NULL;
+  t->ring = NULL;
+  if (t->next == t) {
+    s->ring = NULL;
+  } else {
+    t->prev->next = t->next;
+    t->next->prev = t->prev;
+    if (s->ring == t) s->ring = t->next;
+  }
+  da_sched_tenant **pp = &s->buckets[t->key % TENANT_BUCKETS];
+  while (*pp != t) pp = &(*pp)->hnext;
+  *pp = t->hnext;
+  free(t);
 }
+
+static int is_decode(const da_sched *s, const da_sched_item *it) { return it->n <= s->cfg.decode_tokens; }
 
 static int grow(void **p, int *cap, int need, size_t elem) {
   if (need <= *cap) return 0;
@@ -120,8 +175,10 @@ int da_sched_admit(da_sched *s, da_sched_queue *q, da_sched_item *items, int n, 
              (long long)need, free_pages, da_kvcache_pages_total(s->kv));
     return DETATTN_RESOURCE_EXHAUSTED;
   }
-  if (grow((void **)&s->copies, &s->cap_copies, s->n_copies + max_copies, sizeof(*s->copies))) {
+  if (grow((void **)&s->copies, &s->cap_copies, s->n_copies + max_copies, sizeof(*s->copies)) ||
+      ring_link(s, q) != 0) {
     snprintf(err, errlen, "out of memory planning page copies");
+    if (q->head == NULL) ring_unlink(s, q);
     return DETATTN_RESOURCE_EXHAUSTED;
   }
   for (int i = 0; i < n; i++) {
@@ -147,9 +204,9 @@ int da_sched_admit(da_sched *s, da_sched_queue *q, da_sched_item *items, int n, 
     else q->head = it;
     q->tail = it;
     s->pending_tokens += 2 * (int64_t)it->n;
+    if (is_decode(s, it)) s->pending_decode++;
     s->in_flight++;
   }
-  ring_link(s, q);
   return 0;
 }
 
@@ -166,6 +223,7 @@ int da_sched_cancel(da_sched *s, da_sched_queue *q, void (*done)(void *arg, da_s
     q->head = it->next;
     it->next = NULL;
     s->pending_tokens -= 2 * (int64_t)it->n;
+    if (is_decode(s, it)) s->pending_decode--;
     s->in_flight--;
     *ct = it;
     ct = &it->next;
@@ -184,16 +242,21 @@ int da_sched_cancel(da_sched *s, da_sched_queue *q, void (*done)(void *arg, da_s
 }
 
 int64_t da_sched_pending_tokens(const da_sched *s) { return s->pending_tokens; }
+int64_t da_sched_pending_decode(const da_sched *s) { return s->pending_decode; }
 int64_t da_sched_items_in_flight(const da_sched *s) { return s->in_flight; }
 
 uint64_t da_sched_oldest_ns(const da_sched *s) {
   uint64_t oldest = 0;
-  const da_sched_queue *q = s->ring;
-  if (q == NULL) return 0;
+  const da_sched_tenant *t = s->ring;
+  if (t == NULL) return 0;
   do {
-    if (q->head && (oldest == 0 || q->head->admitted_ns < oldest)) oldest = q->head->admitted_ns;
-    q = q->next;
-  } while (q != s->ring);
+    const da_sched_queue *q = t->ring;
+    do {
+      if (q->head && (oldest == 0 || q->head->admitted_ns < oldest)) oldest = q->head->admitted_ns;
+      q = q->next;
+    } while (q != t->ring);
+    t = t->next;
+  } while (t != s->ring);
   return oldest;
 }
 
@@ -228,16 +291,28 @@ static int snapshot(da_sched *s, da_sched_batch *b, const da_sched_item *it, siz
   return 0;
 }
 
-/* Takes one S-aligned query chunk of q's head item into b, if it fits in *room. */
-static int take_unit(da_sched *s, da_sched_batch *b, da_sched_queue *q, int *room) {
+/* Room left in the batch being formed: total tokens, and prefill query tokens. */
+typedef struct room {
+  int tokens;
+  int prefill;
+} room;
+
+/* Takes one S-aligned query chunk of q's head item into b, if it fits the room. */
+static int take_unit(da_sched *s, da_sched_batch *b, da_sched_queue *q, room *rm) {
   da_sched_item *it = q->head;
   if (it == NULL) return 0;
   const int S = s->cfg.split_tokens;
   int qa = it->pos + it->q_next, end = it->pos + it->n;
   int boundary = (qa / S + 1) * S;
   int nq = (end < boundary ? end : boundary) - qa;
+  int decode = is_decode(s, it);
+  if (!decode && s->cfg.max_prefill_tokens > 0) {
+    /* A prefill chunk may end anywhere (chunking never changes a bit): cut it to fit. */
+    if (rm->prefill <= 0) return 0;
+    if (nq > rm->prefill) nq = rm->prefill;
+  }
   int cost = nq + (it->appended ? 0 : it->n);
-  if (cost > *room) return 0;
+  if (cost > rm->tokens) return 0;
   if (it->in_batch >= 0) {
     b->entries[it->in_batch].nq += nq;
   } else {
@@ -253,8 +328,10 @@ static int take_unit(da_sched *s, da_sched_batch *b, da_sched_queue *q, int *roo
     it->in_batch = e;
     it->appended = 1;
   }
+  if (it->q_next == 0 && decode) s->pending_decode--;
   it->q_next += nq;
-  *room -= cost;
+  rm->tokens -= cost;
+  if (!decode) rm->prefill -= nq;
   s->pending_tokens -= cost;
   b->tokens += cost;
   b->query_tokens += nq;
@@ -310,27 +387,68 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
   int n_copies = s->n_copies;
   s->n_copies = 0;
 
-  int room = s->cfg.max_batch_tokens;
-  da_sched_queue *start = s->ring;
-  if (start != NULL) {
-    int progress = 1;
-    while (progress && room > 0) {
+  room rm = {.tokens = s->cfg.max_batch_tokens, .prefill = s->cfg.max_prefill_tokens};
+  if (s->ring != NULL) {
+    /* 1. Decode heads, one per tenant per round. They leave room for the first chunk of
+     * the largest request (max_request_tokens + S fits a batch by configuration), so
+     * prefill is never starved by decode. */
+    int reserve = s->cfg.max_request_tokens + s->cfg.split_tokens;
+    room drm = rm;
+    drm.tokens = rm.tokens - reserve;
+    int progress = drm.tokens > 0, decode_phase = progress;
+    while (progress && drm.tokens > 0) {
       progress = 0;
-      da_sched_queue *q = start;
+      da_sched_tenant *t = s->ring;
       do {
-        progress |= take_unit(s, b, q, &room);
-        q = q->next;
-      } while (q != start && room > 0);
+        da_sched_queue *q = t->ring;
+        do {
+          if (q->head && is_decode(s, q->head) && take_unit(s, b, q, &drm)) {
+            progress = 1;
+            t->ring = q->next;
+            break;
+          }
+          q = q->next;
+        } while (q != t->ring);
+        t = t->next;
+      } while (t != s->ring && drm.tokens > 0);
     }
-    s->ring = start->next;
-    /* Drop queues that ran dry from the rotation. */
-    da_sched_queue *q = s->ring;
-    int n_linked = 1;
-    for (da_sched_queue *p = q->next; p != q; p = p->next) n_linked++;
-    for (int i = 0; i < n_linked; i++) {
-      da_sched_queue *next = q->next;
-      if (q->head == NULL) ring_unlink(s, q);
-      q = next;
+    if (decode_phase) rm.tokens = drm.tokens + reserve;
+    /* 2. Prefill chunks (and decode heads that surfaced), one unit per tenant per round,
+     * each tenant's queues taking turns. */
+    progress = 1;
+    while (progress && rm.tokens > 0) {
+      progress = 0;
+      da_sched_tenant *t = s->ring;
+      do {
+        da_sched_queue *q = t->ring;
+        do {
+          if (take_unit(s, b, q, &rm)) {
+            progress = 1;
+            t->ring = q->next;
+            break;
+          }
+          q = q->next;
+        } while (q != t->ring);
+        t = t->next;
+      } while (t != s->ring && rm.tokens > 0);
+    }
+    /* The next batch starts from the next tenant; queues that ran dry leave the rings. */
+    da_sched_tenant *t0 = s->ring;
+    s->ring = t0->next;
+    int n_tenants = 1;
+    for (da_sched_tenant *t = t0->next; t != t0; t = t->next) n_tenants++;
+    da_sched_tenant *t = t0;
+    for (int i = 0; i < n_tenants; i++) {
+      da_sched_tenant *tnext = t->next;
+      da_sched_queue *q = t->ring;
+      int n_queues = 1;
+      for (da_sched_queue *p = q->next; p != q; p = p->next) n_queues++;
+      for (int j = 0; j < n_queues; j++) {
+        da_sched_queue *qnext = q->next;
+        if (q->head == NULL) ring_unlink(s, q); /* may free t when it was its last queue */
+        q = qnext;
+      }
+      t = tnext;
     }
   }
 

@@ -8,14 +8,26 @@
  * reserved in the KV cache all together or not at all. Admitted items wait in their
  * client's queue (da_sched_queue, FIFO in arrival order).
  *
- * Batch formation (da_sched_form) takes work from the client queues round-robin, one unit
- * per client per round, until the token budget is spent. A unit is one S-aligned query
- * chunk of the client's head item: the queries from the item's next position up to the next
- * multiple of S (split_tokens) or the item's end. An item's K/V append goes into the batch
- * of its first chunk (write before attend); later chunks only attend. Chunks of one item in
- * one batch merge into one attention entry. A client's next item starts only once its head
- * item is fully dispatched, so each client's work (and with it each (sequence, layer)) is
- * dispatched in arrival order. Batch cost = appended tokens + query tokens.
+ * Batch formation (da_sched_form) is the chunked-prefill policy of serving engines, made
+ * fair per tenant. A unit is one S-aligned query chunk of a queue's head item: the queries
+ * from the item's next position up to the next multiple of S (split_tokens) or the item's
+ * end. An item's K/V append goes into the batch of its first chunk (write before attend);
+ * later chunks only attend. Chunks of one item in one batch merge into one attention entry.
+ * Batch cost = appended tokens + query tokens, at most max_batch_tokens.
+ *  1. Decode first: every queue whose head item is a decode item (at most decode_tokens
+ *     tokens: a decode step or a short speculative verify) gives its unit, round-robin over
+ *     tenants, until the budget is spent.
+ *  2. Prefill fills the rest, one unit per tenant per round, with at most
+ *     max_prefill_tokens query tokens of prefill items per batch (a unit is cut shorter to
+ *     fit: chunking never changes a bit): a batch's run time, and with it how long a decode
+ *     step can wait behind a running batch, stays bounded however much prefill is queued.
+ *     Decode leaves room for the first chunk of the largest request, so prefill always
+ *     progresses.
+ * Tenants: queues (connections) with the same tenant key (the daemon uses the peer process
+ * or address) share one turn per round, so opening more connections buys no more share.
+ * Within a tenant its queues take turns. A queue's next item starts only once its head
+ * item is fully dispatched, so each queue's work (and with it each (sequence, layer)) is
+ * dispatched in arrival order.
  *
  * Copy-on-write page copies planned at admission go into the next batch formed, whatever
  * work it carries; a batch performs its copies before its appends, so a copy always reads
@@ -40,12 +52,16 @@
 
 typedef struct da_sched da_sched;
 typedef struct da_sched_item da_sched_item;
+typedef struct da_sched_tenant da_sched_tenant;
 
 /* A client's FIFO of admitted items; embedded in the caller's client object. Zero it (or
- * da_sched_queue_init) before first use. It must stay alive while it holds items. */
+ * da_sched_queue_init) and set tenant before first use. It must stay alive while it holds
+ * items. */
 typedef struct da_sched_queue {
+  uint64_t tenant; /* fairness key, set by the caller: queues with equal keys share a turn */
   da_sched_item *head, *tail;
-  struct da_sched_queue *next, *prev; /* ring of queues with work */
+  struct da_sched_queue *next, *prev; /* the tenant's ring of queues with work */
+  da_sched_tenant *t;                 /* set while linked */
   int linked;
 } da_sched_queue;
 
@@ -75,6 +91,8 @@ typedef struct da_sched_cfg {
   int max_request_tokens; /* most tokens one admission carries */
   int acc_slots;          /* accumulator slots the backend has */
   int partial_rows;       /* below this many rows a batch may run partials */
+  int decode_tokens;      /* items of at most this many tokens are decode work (0: 16) */
+  int max_prefill_tokens; /* query tokens of prefill items per batch (0: no limit) */
 } da_sched_cfg;
 
 /* One attention entry of a batch: queries [q0, q0 + nq) of item (offsets within it). */
@@ -126,6 +144,8 @@ int da_sched_cancel(da_sched *s, da_sched_queue *q, void (*done)(void *arg, da_s
 /* Work waiting to be formed: cost in tokens (unappended K/V + undispatched queries), and
  * the admission time of the oldest waiting item (0 if none). */
 int64_t da_sched_pending_tokens(const da_sched *s);
+/* Decode items admitted and not yet in a formed batch. */
+int64_t da_sched_pending_decode(const da_sched *s);
 uint64_t da_sched_oldest_ns(const da_sched *s);
 /* Items admitted and not yet completed. */
 int64_t da_sched_items_in_flight(const da_sched *s);

@@ -876,6 +876,92 @@ START_TEST(many_killed_clients_leave_nothing_behind) {
 }
 END_TEST
 
+
+/* ---- defect 7: decode next to a prefill flood ---- */
+
+static void setup_flood(void) {
+  static const char *const args[] = {"--layers", "1", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128",
+                                     "--dtype", "bf16", "--kv-tokens", "262144", "--split-tokens", "256",
+                                     "--max-seqs", "256", "--max-prefill-tokens", "64", "--threads", "2", NULL};
+  start_daemon(args);
+}
+
+/* The flood: another process, 4 connections, each with 4 sequences prefilled 2048 tokens at
+ * a time, until killed. */
+static void flood_main(const char *url) {
+  enum { CONNS = 4, SEQS = 4, N = 2048 };
+  size_t qn = (size_t)N * 8 * 128, kvn = (size_t)N * 2 * 128;
+  uint16_t *q = malloc(qn * 2), *kv = malloc(kvn * 2), *o = malloc(SEQS * qn * 2);
+  da_rng r;
+  da_rng_seed(&r, 77);
+  da_rng_fill(&r, DA_BF16, q, qn, 1.0);
+  da_rng_fill(&r, DA_BF16, kv, kvn, 1.0);
+  detattn_client *c[CONNS];
+  uint64_t seq[CONNS][SEQS];
+  uint32_t pos[CONNS][SEQS] = {{0}};
+  for (int i = 0; i < CONNS; i++) {
+    if (detattn_connect(&c[i], url) != DETATTN_OK) _exit(1);
+    detattn_set_timeout(c[i], 120000);
+    for (int j = 0; j < SEQS; j++)
+      if (detattn_seq_open(c[i], &seq[i][j]) != DETATTN_OK) _exit(2);
+  }
+  for (;;) {
+    detattn_call *calls[CONNS][SEQS];
+    for (int i = 0; i < CONNS; i++)
+      for (int j = 0; j < SEQS; j++) {
+        if (pos[i][j] + N > 60000) {
+          detattn_seq_truncate(c[i], seq[i][j], 0);
+          pos[i][j] = 0;
+        }
+        detattn_seq_io io = {.seq = seq[i][j], .pos = pos[i][j], .n_tokens = N, .q = q, .k = kv, .v = kv,
+                             .o = o + (size_t)j * qn};
+        if (detattn_forward_start(c[i], 0, &io, 1, &calls[i][j]) != DETATTN_OK) _exit(3);
+        pos[i][j] += N;
+      }
+    for (int i = 0; i < CONNS; i++)
+      for (int j = 0; j < SEQS; j++) detattn_call_wait(calls[i][j]);
+  }
+}
+
+START_TEST(decode_is_not_starved_by_a_prefill_flood) {
+  pid_t pid = fork();
+  if (pid == 0) flood_main(D.url);
+  da_test_sleep_ms(1500); /* the flood is queued */
+  detattn_client *c = connect_ok(D.url);
+  detattn_set_timeout(c, 60000);
+  uint64_t seq;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  enum { PRE = 256, STEPS = 40 };
+  size_t qn = 8 * 128, kvn = 2 * 128;
+  uint16_t *q = malloc(PRE * qn * 2), *kv = malloc(PRE * kvn * 2), *o = malloc(PRE * qn * 2);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  da_rng_fill(&r, DA_BF16, q, PRE * qn, 1.0);
+  da_rng_fill(&r, DA_BF16, kv, PRE * kvn, 1.0);
+  detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = PRE, .q = q, .k = kv, .v = kv, .o = o};
+  ck_assert_int_eq(detattn_forward(c, 0, &io, 1), DETATTN_OK);
+  double worst = 0, sum = 0;
+  for (int i = 0; i < STEPS; i++) {
+    detattn_seq_io d1 = {.seq = seq, .pos = (uint32_t)(PRE + i), .n_tokens = 1, .q = q, .k = kv, .v = kv, .o = o};
+    uint64_t t0 = da_now_ns();
+    ck_assert_int_eq(detattn_forward(c, 0, &d1, 1), DETATTN_OK);
+    double ms = (double)(da_now_ns() - t0) / 1e6;
+    sum += ms;
+    if (ms > worst) worst = ms;
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
+  fprintf(stderr, "decode next to a prefill flood: %d steps, mean %.1f ms, worst %.1f ms\n", STEPS, sum / STEPS, worst);
+  /* A decode step waits for at most the running batch (64 prefill queries) and its own: a
+   * 2048-token prefill batch took ~1 s before the fix. */
+  ck_assert_msg(worst < 500, "a decode step waited %.0f ms behind prefill", worst);
+  detattn_close(c);
+  free(q);
+  free(kv);
+  free(o);
+}
+END_TEST
+
 static Suite *abuse_suite(void) {
   const struct {
     const char *name;
@@ -894,6 +980,7 @@ static Suite *abuse_suite(void) {
       {"stats_view", setup_stats, stats_shows_a_client_only_its_own_sequences, 30},
       {"tcp_port", setup_tcp, the_log_names_the_bound_tcp_port, 30},
       {"killed_clients", setup_killed, many_killed_clients_leave_nothing_behind, 120},
+      {"decode_flood", setup_flood, decode_is_not_starved_by_a_prefill_flood, 120},
   };
   Suite *s = suite_create("abuse");
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

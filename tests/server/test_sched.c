@@ -1,8 +1,9 @@
 /*
  * test_sched.c — the batch scheduler (server/scheduler.c) over the real KV cache
  * bookkeeping: token budget, arrival order per (sequence, layer), write before attend,
- * S-aligned chunking with the append in the first chunk, round-robin fairness, atomic
- * multi-sequence admission, copy-on-write copies, split-mode choice and completion.
+ * S-aligned chunking with the append in the first chunk, round-robin fairness, decode before
+ * prefill, the prefill budget, fairness per tenant, atomic multi-sequence admission,
+ * copy-on-write copies, split-mode choice and completion.
  */
 #include <check.h>
 #include <stdio.h>
@@ -25,7 +26,7 @@ static da_sched_batch batch;
 static int n_done;
 
 typedef struct fixture_cfg {
-  int n_pages, split, budget, max_req, partial_rows, acc_slots;
+  int n_pages, split, budget, max_req, partial_rows, acc_slots, max_prefill;
 } fixture_cfg;
 
 static void make(fixture_cfg f) {
@@ -36,7 +37,7 @@ static void make(fixture_cfg f) {
                                .dtype = DA_BF16, .scale = 0.125f},
                      .split_tokens = f.split, .page_tokens = 16, .max_batch_tokens = f.budget,
                      .max_request_tokens = f.max_req, .acc_slots = f.acc_slots,
-                     .partial_rows = f.partial_rows};
+                     .partial_rows = f.partial_rows, .max_prefill_tokens = f.max_prefill};
   ck_assert_int_eq(da_sched_alloc(&s, &sc, kv), 0);
   da_sched_batch_init(&batch);
   n_done = 0;
@@ -287,6 +288,102 @@ START_TEST(clients_share_batches_round_robin) {
 }
 END_TEST
 
+
+START_TEST(decode_heads_are_formed_before_prefill_chunks) {
+  make((fixture_cfg){.n_pages = 1024, .split = 64, .budget = 4096, .max_req = 1024});
+  da_sched_queue qa, qb;
+  da_sched_queue_init(&qa);
+  da_sched_queue_init(&qb);
+  qa.tenant = 1;
+  qb.tenant = 2;
+  uint32_t sa = open_seq(), sb = open_seq();
+  char err[256];
+  da_sched_item *pre = new_item(sa, 0, 0, 1024, NULL), *dec = new_item(sb, 0, 0, 1, NULL);
+  ck_assert_int_eq(da_sched_admit(s, &qa, pre, 1, 1, err, sizeof(err)), 0); /* first in the ring */
+  ck_assert_int_eq(da_sched_admit(s, &qb, dec, 1, 2, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_pending_decode(s), 1);
+  ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
+  ck_assert_int_ge(batch.n_entries, 2);
+  ck_assert_msg(batch.entries[0].item == dec, "the decode step was not formed first");
+  ck_assert_int_eq(da_sched_pending_decode(s), 0);
+  da_sched_complete(s, &batch, count_done, NULL);
+  while (da_sched_form(s, &batch, 4) == 0 && batch.n_entries > 0) da_sched_complete(s, &batch, count_done, NULL);
+  ck_assert_int_eq(n_done, 2);
+  free_item(pre);
+  free_item(dec);
+}
+END_TEST
+
+START_TEST(prefill_budget_bounds_prefill_queries_per_batch) {
+  enum { N = 1000, BUDGET = 100 };
+  make((fixture_cfg){.n_pages = 1024, .split = 64, .budget = 2048, .max_req = 1024, .max_prefill = BUDGET});
+  da_sched_queue q;
+  da_sched_queue_init(&q);
+  uint32_t sa = open_seq();
+  char err[256];
+  da_sched_item *pre = new_item(sa, 0, 0, N, NULL);
+  ck_assert_int_eq(da_sched_admit(s, &q, pre, 1, 1, err, sizeof(err)), 0);
+  int batches = 0, next = 0;
+  for (;;) {
+    ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
+    if (batch.n_entries == 0) break;
+    batches++;
+    ck_assert_int_eq(batch.n_entries, 1);
+    ck_assert_msg(batch.query_tokens <= BUDGET, "batch %d: %d prefill queries", batches, batch.query_tokens);
+    ck_assert_int_eq(batch.entries[0].q0, next); /* in order, each query once */
+    ck_assert_int_eq(batch.b.n_appends, batches == 1); /* the append goes with the first chunk */
+    next += batch.entries[0].nq;
+    da_sched_complete(s, &batch, count_done, NULL);
+  }
+  ck_assert_int_eq(next, N);
+  ck_assert_int_eq(batches, (N + BUDGET - 1) / BUDGET);
+  ck_assert_int_eq(n_done, 1);
+  free_item(pre);
+}
+END_TEST
+
+START_TEST(tenants_share_equally_whatever_their_connections) {
+  enum { PER = 40 };
+  /* Decode room per batch: budget - (max_req + S) = 16 tokens, 8 single-token steps. */
+  make((fixture_cfg){.n_pages = 1024, .split = 64, .budget = 64 + 64 + 16, .max_req = 64});
+  da_sched_queue qx[4], qy;
+  char err[256];
+  da_sched_item *items[5][PER];
+  uint32_t seqs[5];
+  for (int c = 0; c < 5; c++) {
+    da_sched_queue *q = c < 4 ? &qx[c] : &qy;
+    da_sched_queue_init(q);
+    q->tenant = c < 4 ? 7 : 9; /* tenant 7 has four connections, tenant 9 one */
+    seqs[c] = open_seq();
+    for (int i = 0; i < PER; i++) {
+      items[c][i] = new_item(seqs[c], 0, i, 1, NULL);
+      ck_assert_int_eq(da_sched_admit(s, q, items[c][i], 1, 1, err, sizeof(err)), 0);
+    }
+  }
+  int batches = 0;
+  for (;;) {
+    ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
+    if (batch.n_entries == 0) break;
+    batches++;
+    int nx = 0, ny = 0;
+    for (int i = 0; i < batch.n_entries; i++) {
+      uint32_t q = batch.entries[i].item->kv_seq;
+      if (q == seqs[4]) ny++;
+      else nx++;
+    }
+    int y_left = 0;
+    for (int i = 0; i < PER; i++) y_left += items[4][i]->q_next < items[4][i]->n;
+    if (y_left > 0) /* while both tenants still have work */
+      ck_assert_msg(abs(nx - ny) <= 1, "batch %d: tenant of 4 connections got %d steps, tenant of 1 got %d",
+                    batches, nx, ny);
+    da_sched_complete(s, &batch, count_done, NULL);
+  }
+  ck_assert_int_eq(n_done, 5 * PER);
+  for (int c = 0; c < 5; c++)
+    for (int i = 0; i < PER; i++) free_item(items[c][i]);
+}
+END_TEST
+
 START_TEST(multi_sequence_admission_is_all_or_nothing) {
   make((fixture_cfg){.n_pages = 10, .split = 64, .budget = 4096, .max_req = 1024, .partial_rows = 0});
   da_sched_queue q;
@@ -502,6 +599,9 @@ int main(void) {
   tcase_add_test(tc, random_load_keeps_budget_order_and_write_before_attend);
   tcase_add_test(tc, long_prefill_is_split_at_S_boundaries_with_append_first);
   tcase_add_test(tc, clients_share_batches_round_robin);
+  tcase_add_test(tc, decode_heads_are_formed_before_prefill_chunks);
+  tcase_add_test(tc, prefill_budget_bounds_prefill_queries_per_batch);
+  tcase_add_test(tc, tenants_share_equally_whatever_their_connections);
   tcase_add_test(tc, multi_sequence_admission_is_all_or_nothing);
   tcase_add_test(tc, wrong_position_is_failed_precondition_and_changes_nothing);
   tcase_add_test(tc, copy_on_write_copies_run_in_the_next_batch);
