@@ -80,6 +80,10 @@ static const setting table[] = {
      "without a request; 0: never"},
     {"drain-timeout-ms", T_INT, F(drain_timeout_ms), 100, 1 << 30, NULL, "30000",
      "on SIGTERM, the daemon exits within this many ms (plus 2 s to close) even if work is still running"},
+    {"max-arena-bytes", T_I64, F(max_arena_bytes), 4096, 1LL << 40, NULL, "4294967296",
+     "shared-memory plane: largest arena a client may register"},
+    {"max-arenas", T_INT, F(max_arenas), 0, 1024, NULL, "16",
+     "shared-memory plane: arenas per connection; 0: no shared-memory plane"},
     {"ipc-mode", T_STR, F(ipc_mode), 0, 0, NULL, "0660", "permissions of the ipc socket (octal)"},
     {"allow-uids", T_STR, F(allow_uids), 0, 0, NULL, "",
      "ipc: user ids allowed to connect, comma-separated; the daemon's own uid and root always are. "

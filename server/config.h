@@ -45,6 +45,8 @@ typedef struct da_config {
   int max_connections, max_conn_per_peer, max_inflight_per_conn;
   int send_timeout_ms, idle_timeout_ms, drain_timeout_ms;
   int64_t max_reply_bytes; /* replies queued on one connection */
+  int64_t max_arena_bytes;
+  int max_arenas;
   char ipc_mode[16];       /* octal permissions of the ipc socket */
   char allow_uids[DA_CONFIG_STR_MAX], allow_gids[DA_CONFIG_STR_MAX], stats_uids[DA_CONFIG_STR_MAX];
   int log_level; /* da_log_level */

@@ -208,6 +208,7 @@ static void on_disconnect(da_daemon *d, uint32_t id) {
     }
   }
   int cancelled = da_sched_cancel(d->sched, &c->q, item_cancelled, d);
+  da_planes_client_gone(d->planes, c->id);
   da_log_debug("client %u disconnected: %d sequences closed, %d closing after their work, %d queued "
                "items cancelled", id, closed, deferred, cancelled);
   c->n_reqs--;
@@ -525,6 +526,8 @@ static void maybe_stop(da_daemon *d) {
   watchdog_arm(d, da_now_ns() + (uint64_t)CLOSE_GRACE_MS * 2000000u, d->exit_code);
   da_transport_close(d->tr, CLOSE_GRACE_MS);
   d->tr = NULL;
+  da_planes_close(d->planes);
+  d->planes = NULL;
   close_handles(d);
 }
 
@@ -697,6 +700,13 @@ static int start(da_daemon *d) {
     da_log_error("%s", err);
     return rv;
   }
+  da_planes_cfg pc = {.loop = &d->loop, .ipc_path = NULL, .ipc_mode = da_config_ipc_mode(c),
+                      .max_arena_bytes = (uint64_t)c->max_arena_bytes, .max_arenas = c->max_arenas};
+  if (strncmp(c->listen, "ipc://", 6) == 0 && c->max_arenas > 0) pc.ipc_path = c->listen + 6;
+  if ((rv = da_planes_open(&d->planes, &pc, err, sizeof(err))) != 0) {
+    da_log_error("%s", err);
+    return rv;
+  }
   if (c->idle_timeout_ms > 0) {
     uint64_t every = (uint64_t)c->idle_timeout_ms / 4 + 1;
     uv_timer_start(&d->idle_timer, on_idle_timer, every, every);
@@ -712,6 +722,8 @@ static int start(da_daemon *d) {
 static void cleanup(da_daemon *d) {
   if (d->tr) da_transport_close(d->tr, 0);
   d->tr = NULL;
+  da_planes_close(d->planes);
+  d->planes = NULL;
   if (d->loop_inited) {
     if (d->n_handles > 0) close_handles(d);
     uv_run(&d->loop, UV_RUN_DEFAULT);

@@ -17,6 +17,7 @@
 #include "hist.h"
 #include "config.h"
 #include "kvcache.h"
+#include "plane.h"
 #include "scheduler.h"
 #include "transport.h"
 #include "wire.h"
@@ -67,6 +68,8 @@ struct request {
   char err[256];
   int n_items, items_left;
   da_sched_item *items;
+  uint32_t *holds; /* arenas held for this request's tensors (plane.h), one entry a hold */
+  int n_holds;
   void *out; /* o and lse buffers of all items */
   uint64_t batch_stamp;
   request *next; /* held queue */
@@ -88,6 +91,7 @@ typedef struct da_daemon {
   da_sched *sched;
   da_worker *worker;
   da_transport *tr;
+  da_planes *planes;
   da_sched_batch bufs[DA_WORKER_MAX];
   int buf_busy[DA_WORKER_MAX]; /* handed to the worker, not yet taken back */
   int n_running;               /* batches in the worker */

@@ -20,6 +20,8 @@
 
 void da_ops_request_free(da_daemon *d, request *r) {
   client *c = r->cl;
+  for (int i = 0; i < r->n_holds; i++) da_planes_release(d->planes, c ? c->id : 0, r->holds[i]);
+  free(r->holds);
   da_wire_request_fini(&r->w);
   free(r->items);
   free(r->out);
@@ -86,6 +88,8 @@ static int op_hello(da_daemon *d, request *r) {
       .kv_capacity_tokens = (uint64_t)pages * (uint64_t)d->cfg->page_tokens,
       .kv_pages = (uint32_t)pages,
       .max_sequences = (uint32_t)d->max_seqs,
+      .data_planes = da_planes_names(d->planes),
+      .arena_path = da_planes_arena_path(d->planes),
   };
   da_log_debug("hello from client %u (%s), protocol %u", r->cl->id, r->w.client_name, r->w.protocol_version);
   da_wire_response resp = {.hello = &h};
@@ -204,18 +208,40 @@ static int op_seq_close(da_daemon *d, request *r) {
   return 1;
 }
 
+/* Resolves one tensor through the planes; a reference is held until r is freed. */
+static int tensor(da_daemon *d, request *r, int i, const char *field, const da_wire_tensor *t, size_t align,
+                  void **out) {
+  char msg[200], full[256];
+  int rv = da_planes_tensor(d->planes, r->cl->id, t, align, out, msg, sizeof msg);
+  if (rv != 0) {
+    snprintf(full, sizeof full, "forward.seqs[%d].%s: %s", i, field, msg);
+    da_ops_reply_error(d, r, rv, full);
+    return rv;
+  }
+  if (t->arena) r->holds[r->n_holds++] = t->arena;
+  return 0;
+}
+
 static int op_forward(da_daemon *d, request *r) {
   const da_wire_request *w = &r->w;
   const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
   const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
-  r->items = calloc((size_t)w->n_seqs, sizeof(*r->items));
-  r->out = malloc((size_t)w->n_tokens * (qrow + (w->want_lse ? lrow : 0)));
-  if (r->items == NULL || r->out == NULL) {
+  /* Outputs not written by reference go to one buffer returned in the reply. */
+  size_t out_bytes = 0;
+  for (int i = 0; i < w->n_seqs; i++) {
+    const da_wire_fwd_seq *fs = &w->seqs[i];
+    if (!fs->o.arena) out_bytes += (size_t)fs->n_tokens * qrow;
+    if (w->want_lse && !fs->lse.arena) out_bytes += (size_t)fs->n_tokens * lrow;
+  }
+  size_t n_seqs = w->n_seqs > 0 ? (size_t)w->n_seqs : 1;
+  r->items = calloc(n_seqs, sizeof(*r->items));
+  r->holds = malloc(n_seqs * 5 * sizeof(*r->holds));
+  r->out = malloc(out_bytes ? out_bytes : 1);
+  if (r->items == NULL || r->holds == NULL || r->out == NULL) {
     da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, "out of memory for the forward's outputs");
     return 1;
   }
-  char *o = r->out;
-  float *lse = (float *)(o + (size_t)w->n_tokens * qrow);
+  char *next = r->out;
   for (int i = 0; i < w->n_seqs; i++) {
     const da_wire_fwd_seq *fs = &w->seqs[i];
     char field[48];
@@ -225,19 +251,30 @@ static int op_forward(da_daemon *d, request *r) {
       return not_found(d, r, fs->seq, field);
     }
     da_sched_item *it = &r->items[i];
+    void *q, *k, *v, *o, *lse = NULL;
+    if (tensor(d, r, i, "q", &fs->q, 2, &q) || tensor(d, r, i, "k", &fs->k, 2, &k) ||
+        tensor(d, r, i, "v", &fs->v, 2, &v) || tensor(d, r, i, "o_ref", &fs->o, 2, &o) ||
+        (w->want_lse && tensor(d, r, i, "lse_ref", &fs->lse, 4, &lse)))
+      return 1;
+    if (o == NULL) {
+      o = next;
+      next += (size_t)fs->n_tokens * qrow;
+    }
+    if (w->want_lse && lse == NULL) {
+      lse = next;
+      next += (size_t)fs->n_tokens * lrow;
+    }
     it->kv_seq = (uint32_t)(slot - d->seqs);
     it->wire_seq = fs->seq;
     it->layer = w->layer;
     it->pos = fs->pos;
     it->n = fs->n_tokens;
-    it->q = fs->q;
-    it->k = fs->k;
-    it->v = fs->v;
+    it->q = q;
+    it->k = k;
+    it->v = v;
     it->o = o;
-    it->lse = w->want_lse ? lse : NULL;
+    it->lse = lse;
     it->user = r;
-    o += (size_t)fs->n_tokens * qrow;
-    if (w->want_lse) lse += (size_t)fs->n_tokens * (size_t)d->model.n_q_heads;
   }
   char err[256];
   int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
@@ -247,6 +284,31 @@ static int op_forward(da_daemon *d, request *r) {
   }
   for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
   r->n_items = r->items_left = w->n_seqs;
+  return 1;
+}
+
+static int op_register_arena(da_daemon *d, request *r) {
+  char err[200];
+  da_wire_response resp = {0};
+  int rv = da_planes_register(d->planes, r->cl->id, &r->cl->peer, r->w.arena_size, &resp.arena, &resp.token, err,
+                              sizeof err);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, err);
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_unregister_arena(da_daemon *d, request *r) {
+  char err[200];
+  int rv = da_planes_unregister(d->planes, r->cl->id, r->w.arena, err, sizeof err);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, err);
+    return 1;
+  }
+  da_wire_response resp = {0};
+  reply_ok(d, r, &resp);
   return 1;
 }
 
@@ -260,6 +322,7 @@ static const op_entry ops[DA_OP_COUNT] = {
     [DA_OP_SEQ_OPEN] = {op_seq_open, 0},    [DA_OP_SEQ_FORK] = {op_seq_fork, 1},
     [DA_OP_SEQ_TRUNCATE] = {op_seq_truncate, 1}, [DA_OP_SEQ_CLOSE] = {op_seq_close, 1},
     [DA_OP_FORWARD] = {op_forward, 1},
+    [DA_OP_REGISTER_ARENA] = {op_register_arena, 0}, [DA_OP_UNREGISTER_ARENA] = {op_unregister_arena, 1},
 };
 
 static void hold(da_daemon *d, client *c, request *r) {
@@ -312,10 +375,13 @@ void da_ops_forward_done(da_daemon *d, request *r) {
   }
   for (int i = 0; i < r->n_items; i++) {
     da_sched_item *x = &r->items[i];
+    const da_wire_fwd_seq *fs = &r->w.seqs[i];
     outs[i] = (da_wire_fwd_out){0};
-    outs[i].o = x->o;
-    outs[i].o_len = (size_t)x->n * qrow;
-    if (x->lse) {
+    if (!fs->o.arena) {
+      outs[i].o = x->o;
+      outs[i].o_len = (size_t)x->n * qrow;
+    }
+    if (x->lse && !fs->lse.arena) {
       outs[i].lse = x->lse;
       outs[i].lse_len = (size_t)x->n * (size_t)d->model.n_q_heads * sizeof(float);
     }

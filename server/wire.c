@@ -18,6 +18,7 @@ static const char *const op_names[DA_OP_COUNT] = {
     [DA_OP_INVALID] = "invalid", [DA_OP_HELLO] = "hello", [DA_OP_SEQ_OPEN] = "seq_open",
     [DA_OP_SEQ_FORK] = "seq_fork", [DA_OP_SEQ_TRUNCATE] = "seq_truncate",
     [DA_OP_SEQ_CLOSE] = "seq_close", [DA_OP_FORWARD] = "forward", [DA_OP_STATS] = "stats",
+    [DA_OP_REGISTER_ARENA] = "register_arena", [DA_OP_UNREGISTER_ARENA] = "unregister_arena",
 };
 
 const char *da_op_name(da_op op) { return (unsigned)op < DA_OP_COUNT ? op_names[op] : "invalid"; }
@@ -62,11 +63,38 @@ static int cmp_u64(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-static int check_tensor(da_wire_request *r, int i, const char *field, size_t got, size_t want) {
-  if (got == want) return 0;
-  return fail(r, DETATTN_INVALID_ARGUMENT,
-              "forward.seqs[%d].%s: expected %zu bytes (n_tokens x heads x head_dim x 2), got %zu", i,
-              field, want, got);
+/* An input tensor: bytes, or a reference, exactly one, of exactly want bytes. */
+static int get_input(da_wire_request *r, int i, const char *field, const ProtobufCBinaryData *b,
+                     const Detattn__V1__TensorRef *ref, size_t want, da_wire_tensor *out) {
+  if (ref && b->len)
+    return fail(r, DETATTN_INVALID_ARGUMENT, "forward.seqs[%d]: %s given both as bytes and as %s_ref", i, field,
+                field);
+  if (ref && ref->arena == 0)
+    return fail(r, DETATTN_INVALID_ARGUMENT, "forward.seqs[%d].%s_ref: arena 0 is not an arena", i, field);
+  size_t got = ref ? (size_t)ref->length : b->len;
+  if (ref && ref->length != (uint64_t)got) got = SIZE_MAX;
+  if (got != want)
+    return fail(r, DETATTN_INVALID_ARGUMENT,
+                "forward.seqs[%d].%s%s: expected %zu bytes (n_tokens x heads x head_dim x 2), got %llu", i, field,
+                ref ? "_ref.length" : "", want, ref ? (unsigned long long)ref->length : (unsigned long long)b->len);
+  *out = (da_wire_tensor){.data = ref ? NULL : b->data, .len = want, .arena = ref ? ref->arena : 0,
+                          .offset = ref ? ref->offset : 0};
+  return 0;
+}
+
+/* An output reference, if given, of exactly want bytes. */
+static int get_output(da_wire_request *r, int i, const char *field, const Detattn__V1__TensorRef *ref, size_t want,
+                      da_wire_tensor *out) {
+  *out = (da_wire_tensor){.len = want};
+  if (ref == NULL) return 0;
+  if (ref->arena == 0)
+    return fail(r, DETATTN_INVALID_ARGUMENT, "forward.seqs[%d].%s: arena 0 is not an arena", i, field);
+  if (ref->length != (uint64_t)want)
+    return fail(r, DETATTN_INVALID_ARGUMENT, "forward.seqs[%d].%s.length: expected %zu bytes, got %llu", i, field,
+                want, (unsigned long long)ref->length);
+  out->arena = ref->arena;
+  out->offset = ref->offset;
+  return 0;
 }
 
 static int decode_forward(const da_wire_limits *lim, const Detattn__V1__Forward *f,
@@ -116,12 +144,18 @@ static int decode_forward(const da_wire_limits *lim, const Detattn__V1__Forward 
     const Detattn__V1__ForwardSeq *s = f->seqs[i];
     size_t qb = (size_t)s->n_tokens * (size_t)m->n_q_heads * (size_t)m->head_dim * es;
     size_t kb = (size_t)s->n_tokens * (size_t)m->n_kv_heads * (size_t)m->head_dim * es;
+    size_t lb = (size_t)s->n_tokens * (size_t)m->n_q_heads * sizeof(float);
+    da_wire_fwd_seq *o = &r->seqs[i];
+    *o = (da_wire_fwd_seq){.seq = s->seq, .pos = (int)s->pos, .n_tokens = (int)s->n_tokens};
     int rv;
-    if ((rv = check_tensor(r, (int)i, "q", s->q.len, qb)) || (rv = check_tensor(r, (int)i, "k", s->k.len, kb)) ||
-        (rv = check_tensor(r, (int)i, "v", s->v.len, kb)))
+    if ((rv = get_input(r, (int)i, "q", &s->q, s->q_ref, qb, &o->q)) ||
+        (rv = get_input(r, (int)i, "k", &s->k, s->k_ref, kb, &o->k)) ||
+        (rv = get_input(r, (int)i, "v", &s->v, s->v_ref, kb, &o->v)) ||
+        (rv = get_output(r, (int)i, "o_ref", s->o_ref, qb, &o->o)) ||
+        (rv = get_output(r, (int)i, "lse_ref", s->lse_ref, lb, &o->lse)))
       return rv;
-    r->seqs[i] = (da_wire_fwd_seq){.seq = s->seq, .pos = (int)s->pos, .n_tokens = (int)s->n_tokens,
-                                   .q = s->q.data, .k = s->k.data, .v = s->v.data};
+    if (s->lse_ref && !f->want_lse)
+      return fail(r, DETATTN_INVALID_ARGUMENT, "forward.seqs[%zu].lse_ref given without want_lse", i);
   }
   r->n_seqs = (int)f->n_seqs;
   return 0;
@@ -184,6 +218,14 @@ int da_wire_decode(const da_wire_limits *lim, const void *buf, size_t len, da_wi
     return 0;
   case DETATTN__V1__REQUEST__OP_FORWARD: r->op = DA_OP_FORWARD; return decode_forward(lim, m->forward, r);
   case DETATTN__V1__REQUEST__OP_STATS: r->op = DA_OP_STATS; return 0;
+  case DETATTN__V1__REQUEST__OP_REGISTER_ARENA:
+    r->op = DA_OP_REGISTER_ARENA;
+    r->arena_size = m->register_arena->size;
+    return 0;
+  case DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA:
+    r->op = DA_OP_UNREGISTER_ARENA;
+    r->arena = m->unregister_arena->arena;
+    return 0;
   default:
     return fail(r, DETATTN_INVALID_ARGUMENT, "request has no op set (or an op this server does not know)");
   }
@@ -221,6 +263,8 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
   Detattn__V1__SeqCloseReply sc = DETATTN__V1__SEQ_CLOSE_REPLY__INIT;
   Detattn__V1__ForwardReply fr = DETATTN__V1__FORWARD_REPLY__INIT;
   Detattn__V1__StatsReply sr = DETATTN__V1__STATS_REPLY__INIT;
+  Detattn__V1__RegisterArenaReply ra = DETATTN__V1__REGISTER_ARENA_REPLY__INIT;
+  Detattn__V1__UnregisterArenaReply ua = DETATTN__V1__UNREGISTER_ARENA_REPLY__INIT;
   Detattn__V1__Summary sum[3] = {DETATTN__V1__SUMMARY__INIT, DETATTN__V1__SUMMARY__INIT,
                                  DETATTN__V1__SUMMARY__INIT};
   Detattn__V1__OpCount opc[DA_OP_COUNT];
@@ -264,6 +308,9 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       hr.model = &mc;
       hr.numerics = &nu;
       hr.limits = &li;
+      for (const char *const *p = h->data_planes; p && *p; p++) hr.n_data_planes++;
+      hr.data_planes = (char **)h->data_planes;
+      hr.arena_path = (char *)(h->arena_path ? h->arena_path : "");
       resp.result_case = DETATTN__V1__RESPONSE__RESULT_HELLO;
       resp.hello = &hr;
       break;
@@ -301,8 +348,10 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       for (int i = 0; i < r->n_outs; i++) {
         Detattn__V1__ForwardSeqOut init = DETATTN__V1__FORWARD_SEQ_OUT__INIT;
         outs[i] = init;
-        outs[i].o.data = (uint8_t *)r->outs[i].o;
-        outs[i].o.len = r->outs[i].o_len;
+        if (r->outs[i].o) {
+          outs[i].o.data = (uint8_t *)r->outs[i].o;
+          outs[i].o.len = r->outs[i].o_len;
+        }
         if (r->outs[i].lse) {
           outs[i].lse.data = (uint8_t *)r->outs[i].lse;
           outs[i].lse.len = r->outs[i].lse_len;
@@ -350,6 +399,16 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       resp.stats = &sr;
       break;
     }
+    case DA_OP_REGISTER_ARENA:
+      ra.arena = r->arena;
+      ra.token = r->token;
+      resp.result_case = DETATTN__V1__RESPONSE__RESULT_REGISTER_ARENA;
+      resp.register_arena = &ra;
+      break;
+    case DA_OP_UNREGISTER_ARENA:
+      resp.result_case = DETATTN__V1__RESPONSE__RESULT_UNREGISTER_ARENA;
+      resp.unregister_arena = &ua;
+      break;
     default:
       break;
     }

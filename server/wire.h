@@ -24,6 +24,8 @@ typedef enum da_op {
   DA_OP_SEQ_CLOSE,
   DA_OP_FORWARD,
   DA_OP_STATS,
+  DA_OP_REGISTER_ARENA,
+  DA_OP_UNREGISTER_ARENA,
   DA_OP_COUNT
 } da_op;
 
@@ -38,14 +40,26 @@ typedef struct da_wire_limits {
   size_t decode_bytes;      /* most bytes protobuf-c may allocate decoding one request */
 } da_wire_limits;
 
+/* A tensor of a Forward, however it travels: bytes in the message (data, len; arena 0), or
+ * a reference into a shared-memory arena of the connection (arena != 0, offset; len is the
+ * length the reference declared, already checked against the model). An output (o, lse)
+ * with arena 0 and no data is returned in the reply. Resolved to a pointer by plane.h. */
+typedef struct da_wire_tensor {
+  const void *data;
+  size_t len;
+  uint32_t arena;
+  uint64_t offset;
+} da_wire_tensor;
+
 /* One sequence of a Forward: positions [pos, pos + n_tokens) of the request's layer.
  * q: [n_tokens][n_q_heads][head_dim]; k, v: [n_tokens][n_kv_heads][head_dim]; model dtype.
- * The pointers are into the decoded request and live until da_wire_request_fini. */
+ * o: [n_tokens][n_q_heads][head_dim], lse: [n_tokens][n_q_heads] fp32 (references only).
+ * Data pointers are into the decoded request and live until da_wire_request_fini. */
 typedef struct da_wire_fwd_seq {
   uint64_t seq;
   int pos;
   int n_tokens;
-  const void *q, *k, *v;
+  da_wire_tensor q, k, v, o, lse;
 } da_wire_fwd_seq;
 
 typedef struct da_wire_request {
@@ -59,6 +73,9 @@ typedef struct da_wire_request {
   /* seq_fork (source), seq_truncate, seq_close */
   uint64_t seq;
   uint32_t length; /* seq_truncate */
+  /* register_arena (size), unregister_arena (arena) */
+  uint64_t arena_size;
+  uint32_t arena;
   /* forward */
   int layer;
   int want_lse;
@@ -75,8 +92,10 @@ typedef struct da_wire_request {
  *  RESOURCE_EXHAUSTED: len > max_message_bytes, or decoding needs more than decode_bytes;
  *  INVALID_ARGUMENT: malformed protobuf; no op set; Forward with no sequences, a sequence
  *    with zero tokens, more than max_request_tokens tokens in all, a layer out of range, a
- *    position past 2^31, the same sequence twice, or a q/k/v length that does not match
- *    n_tokens and the model (the message names the field, expected and got bytes).
+ *    position past 2^31, the same sequence twice, a q/k/v given both as bytes and by
+ *    reference, or a tensor length (bytes or a reference's) that does not match n_tokens
+ *    and the model (the message names the field, expected and got bytes); lse_ref without
+ *    want_lse.
  * The caller owns out afterwards and must call da_wire_request_fini, whatever the status.
  */
 int da_wire_decode(const da_wire_limits *lim, const void *buf, size_t len, da_wire_request *out);
@@ -102,6 +121,8 @@ typedef struct da_wire_hello_reply {
   uint64_t kv_capacity_tokens;
   uint32_t kv_pages;
   uint32_t max_sequences;
+  const char *const *data_planes; /* NULL-terminated */
+  const char *arena_path;
 } da_wire_hello_reply;
 
 typedef struct da_wire_stats_reply {
@@ -114,7 +135,7 @@ typedef struct da_wire_stats_reply {
 } da_wire_stats_reply;
 
 /* One sequence's Forward output. o: [n_tokens][n_q_heads][head_dim] (o_len bytes);
- * lse: [n_tokens][n_q_heads] fp32 or NULL. */
+ * lse: [n_tokens][n_q_heads] fp32 or NULL. Outputs written by reference are NULL here. */
 typedef struct da_wire_fwd_out {
   const void *o;
   size_t o_len;
@@ -130,6 +151,8 @@ typedef struct da_wire_response {
   const da_wire_hello_reply *hello;
   const da_wire_stats_reply *stats;
   uint64_t seq; /* seq_open, seq_fork */
+  uint32_t arena; /* register_arena */
+  uint64_t token; /* register_arena */
   int n_outs;   /* forward */
   const da_wire_fwd_out *outs;
 } da_wire_response;

@@ -102,10 +102,10 @@ START_TEST(forward_round_trips_with_tensors_intact) {
     ck_assert_uint_eq(w.seqs[i].seq, s->seq);
     ck_assert_int_eq(w.seqs[i].pos, (int)s->pos);
     ck_assert_int_eq(w.seqs[i].n_tokens, (int)s->n_tokens);
-    ck_assert_msg(memcmp(w.seqs[i].q, s->q.data, s->q.len) == 0, "seed %llu: q of seq %d differs",
+    ck_assert_msg(memcmp(w.seqs[i].q.data, s->q.data, s->q.len) == 0, "seed %llu: q of seq %d differs",
                   (unsigned long long)seed, i);
-    ck_assert(memcmp(w.seqs[i].k, s->k.data, s->k.len) == 0);
-    ck_assert(memcmp(w.seqs[i].v, s->v.data, s->v.len) == 0);
+    ck_assert(memcmp(w.seqs[i].k.data, s->k.data, s->k.len) == 0);
+    ck_assert(memcmp(w.seqs[i].v.data, s->v.data, s->v.len) == 0);
     total += (int)s->n_tokens;
   }
   ck_assert_int_eq(w.n_tokens, total);
@@ -438,8 +438,8 @@ START_TEST(mutated_requests_decode_to_a_status_and_consistent_fields) {
           const da_wire_fwd_seq *q = &w.seqs[i];
           ck_assert(q->n_tokens > 0 && q->pos >= 0);
           total += q->n_tokens;
-          sink += touch(q->q, (size_t)q->n_tokens * qrow) + touch(q->k, (size_t)q->n_tokens * kvrow) +
-                  touch(q->v, (size_t)q->n_tokens * kvrow);
+          sink += touch(q->q.data, (size_t)q->n_tokens * qrow) + touch(q->k.data, (size_t)q->n_tokens * kvrow) +
+                  touch(q->v.data, (size_t)q->n_tokens * kvrow);
         }
         ck_assert_int_eq(total, w.n_tokens);
         ck_assert_int_le(total, lim.max_request_tokens);

@@ -1,0 +1,80 @@
+/*
+ * plane.h — data planes: how a Forward's tensors reach the daemon and its outputs go back.
+ *
+ *  copy  tensors are bytes in the request and the reply (every transport; the reference);
+ *  shm   tensors are references into arenas: shared memory the client created (a sealed
+ *        memfd) and handed over on the ipc side socket <ipc path>.arena; the backend reads
+ *        q/k/v and writes o/lse in place.
+ *
+ * da_planes_tensor resolves a da_wire_tensor (wire.h) of either kind to a host pointer and
+ * holds what it names until da_planes_release, so op handlers never know which plane
+ * carried a tensor. A new plane is one file behind these calls.
+ *
+ * Arenas. RegisterArena (on ipc, from a peer with credentials) creates a pending arena with
+ * a random token; the same process then connects to the side socket and sends
+ * {"DAAR", arena id, token} with the memfd (SCM_RIGHTS). The daemon checks the sender's pid
+ * and uid against the registering peer, that the memfd is sealed against shrinking (so the
+ * client cannot make the daemon fault by truncating it) and large enough, maps it, and
+ * answers one status byte. A client can only name arenas registered on its own connection.
+ * An arena is unmapped when it is unregistered or its connection closes, once no request
+ * in flight holds it. Side connections and pending arenas expire (2 s, 10 s).
+ *
+ * Thread: the daemon's loop thread; the side socket is a uv_poll on that loop.
+ */
+#ifndef DA_PLANE_H
+#define DA_PLANE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "transport.h"
+#include "wire.h"
+
+typedef struct da_planes da_planes;
+
+typedef struct da_planes_cfg {
+  uv_loop_t *loop;
+  const char *ipc_path;     /* the daemon's ipc socket path; NULL or "": no shm plane */
+  int ipc_mode;             /* permissions of the side socket (as the ipc socket's) */
+  uint64_t max_arena_bytes; /* largest arena */
+  int max_arenas;           /* per connection */
+  /* Optional: pin an arena for the backend's DMA (cudaHostRegister) and unpin it. */
+  int (*pin)(void *arg, void *p, size_t n);
+  void (*unpin)(void *arg, void *p);
+  void *arg;
+} da_planes_cfg;
+
+/* Opens the planes: the side socket when ipc_path is set. On failure writes err. */
+int da_planes_open(da_planes **out, const da_planes_cfg *cfg, char *err, size_t errlen);
+/* Unmaps every arena and closes the side socket (its uv handles close on the loop). NULL is a
+ * no-op. */
+void da_planes_close(da_planes *p);
+/* The planes offered, NULL-terminated ("copy", and "shm" with a side socket). */
+const char *const *da_planes_names(const da_planes *p);
+/* The side socket's path, or "". */
+const char *da_planes_arena_path(const da_planes *p);
+
+/* A pending arena of size bytes for connection client, registered by peer. Returns its id and
+ * the token the side socket expects. FAILED_PRECONDITION without a shm plane,
+ * PERMISSION_DENIED for a peer without credentials, INVALID_ARGUMENT for a size of 0 or over
+ * max_arena_bytes, RESOURCE_EXHAUSTED past max_arenas. */
+int da_planes_register(da_planes *p, uint32_t client, const da_peer *peer, uint64_t size, uint32_t *arena,
+                       uint64_t *token, char *err, size_t errlen);
+/* Releases arena (now, or once no request holds it). NOT_FOUND if client has no such arena. */
+int da_planes_unregister(da_planes *p, uint32_t client, uint32_t arena, char *err, size_t errlen);
+/* Resolves t for connection client to a pointer to t->len bytes: its data (copy; NULL for an
+ * output returned in the reply), or the arena's memory at t->offset, which must be inside the
+ * arena and aligned to align. A reference holds its arena: call da_planes_release(client,
+ * t->arena) once for each success with t->arena != 0. Errors: NOT_FOUND (no such arena on
+ * this connection), FAILED_PRECONDITION (not handed over yet, or being released),
+ * INVALID_ARGUMENT (out of bounds, misaligned). */
+int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, size_t align, void **out, char *err,
+                     size_t errlen);
+void da_planes_release(da_planes *p, uint32_t client, uint32_t arena);
+/* The connection closed: its arenas go (each once no request holds it). */
+void da_planes_client_gone(da_planes *p, uint32_t client);
+/* Arenas mapped now, and bytes mapped (for stats and tests). */
+void da_planes_usage(const da_planes *p, int *arenas, uint64_t *bytes);
+
+#endif /* DA_PLANE_H */
