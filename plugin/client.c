@@ -32,21 +32,75 @@ static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg) {
   (void)ev;
   pthread_mutex_lock(&c->mu);
   c->have_info = 0;
+  c->arena_id = 0; /* the daemon dropped it with the connection */
   pthread_mutex_unlock(&c->mu);
 }
 
-DETATTN_API int detattn_connect(detattn_client **out, const char *url) {
+DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *o) {
+  if (!o) return;
+  memset(o, 0, sizeof *o);
+  o->struct_size = sizeof *o;
+  o->data_plane = DETATTN_PLANE_AUTO;
+  o->arena_bytes = (uint64_t)256 << 20;
+  o->timeout_ms = DA_CLIENT_DEFAULT_TIMEOUT_MS;
+}
+
+DETATTN_API const char *detattn_data_plane_name(detattn_data_plane p) {
+  switch (p) {
+  case DETATTN_PLANE_AUTO: return "auto";
+  case DETATTN_PLANE_COPY: return "copy";
+  case DETATTN_PLANE_SHM: return "shm";
+  case DETATTN_PLANE_CUDA: return "cuda";
+  }
+  return "?";
+}
+
+DETATTN_API detattn_data_plane detattn_data_plane_get(detattn_client *c) {
+  if (!c) return DETATTN_PLANE_COPY;
+  pthread_mutex_lock(&c->mu);
+  int p = c->plane;
+  pthread_mutex_unlock(&c->mu);
+  return (detattn_data_plane)p;
+}
+
+DETATTN_API void *detattn_arena_alloc(detattn_client *c, size_t bytes) {
+  return c ? da_arena_alloc(&c->arena, bytes) : NULL;
+}
+
+DETATTN_API void detattn_arena_free(detattn_client *c, void *p) {
+  if (c) da_arena_free(&c->arena, p);
+}
+
+DETATTN_API int detattn_connect(detattn_client **out, const char *url) { return detattn_connect_ex(out, url, NULL); }
+
+DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const detattn_connect_opts *opts) {
   detattn_client *c;
+  detattn_connect_opts o;
   int rv, st;
 
+  detattn_connect_opts_init(&o);
+  if (opts) {
+    if (opts->struct_size < sizeof(uint32_t) || opts->struct_size > sizeof o)
+      return da_err(DETATTN_INVALID_ARGUMENT, "connect: opts.struct_size %u is not sizeof(detattn_connect_opts)",
+                    opts->struct_size);
+    memcpy(&o, opts, opts->struct_size);
+    o.struct_size = sizeof o;
+    if (o.data_plane < DETATTN_PLANE_AUTO || o.data_plane > DETATTN_PLANE_CUDA)
+      return da_err(DETATTN_INVALID_ARGUMENT, "connect: unknown data plane %d", (int)o.data_plane);
+    if (o.arena_bytes == 0) o.arena_bytes = (uint64_t)256 << 20;
+  }
   if (!out || !url) return da_err(DETATTN_INVALID_ARGUMENT, "connect: out and url must not be NULL");
   *out = NULL;
   if (strlen(url) >= sizeof c->url)
     return da_err(DETATTN_INVALID_ARGUMENT, "connect: url longer than %zu bytes", sizeof c->url - 1);
   if (!(c = calloc(1, sizeof *c))) return da_err(DETATTN_RESOURCE_EXHAUSTED, "connect: out of memory");
   snprintf(c->url, sizeof c->url, "%s", url);
-  c->timeout_ms = DA_CLIENT_DEFAULT_TIMEOUT_MS;
+  c->opts = o;
+  c->timeout_ms = o.timeout_ms;
+  c->plane = o.data_plane == DETATTN_PLANE_SHM ? DETATTN_PLANE_SHM : DETATTN_PLANE_COPY;
+  c->arena.fd = -1;
   c->next_id = 1;
+  pthread_mutex_init(&c->plane_mu, NULL);
   if (pthread_mutex_init(&c->mu, NULL) != 0) {
     st = da_err(DETATTN_INTERNAL, "connect: pthread_mutex_init failed");
     goto fail_mu;
@@ -85,6 +139,7 @@ fail_sock:
 fail_cv:
   pthread_mutex_destroy(&c->mu);
 fail_mu:
+  pthread_mutex_destroy(&c->plane_mu);
   free(c);
   return st;
 }
@@ -102,6 +157,8 @@ DETATTN_API void detattn_close(detattn_client *c) {
   pthread_mutex_unlock(&c->mu);
   pthread_cond_destroy(&c->idle);
   pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->plane_mu);
+  da_arena_destroy(&c->arena);
   free(c);
 }
 
@@ -353,6 +410,9 @@ void da_call_free(detattn_call *k) {
   if (k->reply) nng_msg_free(k->reply);
   pthread_cond_destroy(&k->cv);
   pthread_mutex_destroy(&k->mu);
+  if (k->client)
+    for (size_t i = 0; i < k->n_scratch; i++) da_arena_free(&k->client->arena, k->scratch[i]);
+  free(k->scratch);
   free(k->out);
   free(k);
 }

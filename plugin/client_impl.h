@@ -29,12 +29,35 @@
 /* Replies other than Forward's (hello, stats, sequence ops) are small. */
 #define DA_CLIENT_SMALL_REPLY_BYTES ((size_t)1 << 20)
 
+/* The shared-memory arena (plane_shm.c): a sealed memfd mapped at base. */
+typedef struct da_arena {
+  pthread_mutex_t mu;
+  int fd;
+  uint8_t *base;
+  size_t size;
+  void *free_list; /* free extents, by offset */
+} da_arena;
+
+int da_arena_create(da_arena *a, size_t size);
+void da_arena_destroy(da_arena *a);
+void *da_arena_alloc(da_arena *a, size_t bytes);
+void da_arena_free(da_arena *a, void *p);
+/* 1 and the offset when [p, p + len) lies in the arena. */
+int da_arena_offset(const da_arena *a, const void *p, size_t len, uint64_t *off);
+/* Sends the arena's descriptor for arena id with token over the side socket at path and
+ * waits for the daemon's status byte. */
+int da_arena_handover(const da_arena *a, const char *path, uint32_t id, uint64_t token, int timeout_ms);
+
 /* What a call does once its reply is in: the request kind, and for Forward the caller's
- * output buffers (copied from detattn_seq_io at start). */
+ * output buffers (copied from detattn_seq_io at start). With the shm plane, outputs the
+ * daemon wrote by reference (o_ref, lse_ref) are copied from the arena scratch blocks o_tmp,
+ * lse_tmp (unless the caller's buffer was in the arena: then no copy). */
 typedef struct da_call_out {
   uint32_t n_tokens;
   void *o;
   float *lse;
+  int o_ref, lse_ref;
+  void *o_tmp, *lse_tmp;
 } da_call_out;
 
 struct detattn_call {
@@ -57,6 +80,8 @@ struct detattn_call {
   int want_lse;
   size_t n_out;
   da_call_out *out;
+  void **scratch;  /* arena blocks holding copied inputs, freed when the call ends */
+  size_t n_scratch;
 };
 
 struct detattn_client {
@@ -73,6 +98,13 @@ struct detattn_client {
   detattn_server_info info;
   int pinned;               /* the first Hello's model and numerics, kept for the client's life */
   detattn_server_info pin;
+  /* data planes, under plane_mu (held across the arena's set-up) */
+  detattn_connect_opts opts;
+  pthread_mutex_t plane_mu;
+  int plane;                /* DETATTN_PLANE_* calls use now */
+  uint32_t arena_id;        /* the daemon's id for the arena on this connection; 0: none */
+  char arena_path[256];     /* from the Hello */
+  da_arena arena;
 };
 
 /* Sets this thread's error message (printf-style) and returns status, for one-line

@@ -163,7 +163,69 @@ static int info_from_reply(const Detattn__V1__HelloReply *h, detattn_server_info
   o->max_tokens_per_request = h->limits->max_tokens_per_request;
   o->kv_capacity_tokens = h->limits->kv_capacity_tokens;
   o->kv_pages = h->limits->kv_pages;
+  o->data_planes = 1u << DETATTN_PLANE_COPY;
+  for (size_t i = 0; i < h->n_data_planes; i++) {
+    if (strcmp(h->data_planes[i], "shm") == 0) o->data_planes |= 1u << DETATTN_PLANE_SHM;
+    if (strcmp(h->data_planes[i], "cuda") == 0) o->data_planes |= 1u << DETATTN_PLANE_CUDA;
+  }
   return DETATTN_OK;
+}
+
+/* Registers the arena on this connection and hands it over (shm plane). */
+static int arena_register(detattn_client *c) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
+  reply x;
+  int st;
+
+  if (!c->arena.base && (st = da_arena_create(&c->arena, (size_t)c->opts.arena_bytes)) != DETATTN_OK) return st;
+  ra.size = c->arena.size;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = &ra;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  uint32_t id = x.r->register_arena->arena;
+  uint64_t token = x.r->register_arena->token;
+  reply_free(&x);
+  char path[256];
+  pthread_mutex_lock(&c->mu);
+  snprintf(path, sizeof path, "%s", c->arena_path);
+  int timeout = c->timeout_ms;
+  pthread_mutex_unlock(&c->mu);
+  if ((st = da_arena_handover(&c->arena, path, id, token, timeout)) != DETATTN_OK) return st;
+  pthread_mutex_lock(&c->mu);
+  c->arena_id = id;
+  c->plane = DETATTN_PLANE_SHM;
+  pthread_mutex_unlock(&c->mu);
+  return DETATTN_OK;
+}
+
+/* After a Hello: sets up the plane asked for, once per connection. AUTO falls back to copy
+ * (and says why in the error message of nothing: the call goes on); SHM fails the call. */
+static int plane_setup(detattn_client *c, const detattn_server_info *info) {
+  detattn_data_plane want = c->opts.data_plane;
+  if (want == DETATTN_PLANE_COPY) return DETATTN_OK;
+  pthread_mutex_lock(&c->plane_mu);
+  pthread_mutex_lock(&c->mu);
+  int have = c->arena_id != 0;
+  pthread_mutex_unlock(&c->mu);
+  int st = DETATTN_OK;
+  if (!have) {
+    if (!(info->data_planes & (1u << DETATTN_PLANE_SHM)))
+      st = da_err(DETATTN_FAILED_PRECONDITION, "the daemon at %s offers no shared-memory plane (it needs ipc://)",
+                  c->url);
+    else
+      st = arena_register(c);
+    if (st != DETATTN_OK) {
+      pthread_mutex_lock(&c->mu);
+      c->plane = DETATTN_PLANE_COPY;
+      pthread_mutex_unlock(&c->mu);
+      if (want == DETATTN_PLANE_AUTO) st = DETATTN_OK;
+      else if (st != DETATTN_FAILED_PRECONDITION)
+        st = da_err(DETATTN_FAILED_PRECONDITION, "shared-memory plane: %s", detattn_errmsg());
+    }
+  }
+  pthread_mutex_unlock(&c->plane_mu);
+  return st;
 }
 
 DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
@@ -180,9 +242,15 @@ DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
   rq.hello = &h;
   if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
   st = info_from_reply(x.r->hello, &info);
+  if (st == DETATTN_OK) {
+    pthread_mutex_lock(&c->mu);
+    snprintf(c->arena_path, sizeof c->arena_path, "%s", x.r->hello->arena_path ? x.r->hello->arena_path : "");
+    pthread_mutex_unlock(&c->mu);
+  }
   reply_free(&x);
   if (st != DETATTN_OK) return st;
   if ((st = da_client_set_info(c, &info)) != DETATTN_OK) return st;
+  if ((st = plane_setup(c, &info)) != DETATTN_OK) return st;
   *out = info;
   return DETATTN_OK;
 }
@@ -231,6 +299,8 @@ DETATTN_API int detattn_stats_get(detattn_client *c, detattn_stats *out) {
   out->kv_pages_free = s_->kv_pages_free;
   out->sequences = s_->sequences;
   out->clients = s_->clients;
+  out->arenas = s_->arenas;
+  out->arena_bytes = s_->arena_bytes;
   reply_free(&x);
   return DETATTN_OK;
 }
@@ -300,6 +370,9 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
   Detattn__V1__ForwardSeq *seqs = NULL, **ptrs = NULL;
+  Detattn__V1__TensorRef *refs = NULL;
+  void **scratch = NULL;
+  size_t n_refs = 0, n_scratch = 0;
   da_call_out *outs = NULL;
   detattn_server_info info;
   detattn_call *k;
@@ -319,14 +392,20 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
   if ((st = get_info(c, &info)) != DETATTN_OK) return st;
   const detattn_model *m = &info.model;
   uint64_t q_row = (uint64_t)m->n_q_heads * m->head_dim * 2, kv_row = (uint64_t)m->n_kv_heads * m->head_dim * 2;
+  uint64_t lse_row = (uint64_t)m->n_q_heads * 4;
 
   seqs = calloc(n, sizeof *seqs);
   ptrs = calloc(n, sizeof *ptrs);
   outs = calloc(n, sizeof *outs);
-  if (!seqs || !ptrs || !outs) {
+  refs = calloc(5 * n, sizeof *refs);
+  scratch = calloc(5 * n, sizeof *scratch);
+  if (!seqs || !ptrs || !outs || !refs || !scratch) {
     st = da_err(DETATTN_RESOURCE_EXHAUSTED, "forward: out of memory for %zu items", n);
     goto done;
   }
+  pthread_mutex_lock(&c->mu);
+  uint32_t arena = c->plane == DETATTN_PLANE_SHM ? c->arena_id : 0;
+  pthread_mutex_unlock(&c->mu);
   for (size_t i = 0; i < n; i++) {
     const detattn_seq_io *it = &items[i];
     Detattn__V1__ForwardSeq init = DETATTN__V1__FORWARD_SEQ__INIT;
@@ -334,12 +413,67 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
     seqs[i].seq = it->seq;
     seqs[i].pos = it->pos;
     seqs[i].n_tokens = it->n_tokens;
-    /* The pointers are only read while packing, before start_request returns. */
-    seqs[i].q = (ProtobufCBinaryData){(size_t)(it->n_tokens * q_row), (uint8_t *)(uintptr_t)it->q};
-    seqs[i].k = (ProtobufCBinaryData){(size_t)(it->n_tokens * kv_row), (uint8_t *)(uintptr_t)it->k};
-    seqs[i].v = (ProtobufCBinaryData){(size_t)(it->n_tokens * kv_row), (uint8_t *)(uintptr_t)it->v};
+    size_t qb = (size_t)(it->n_tokens * q_row), kb = (size_t)(it->n_tokens * kv_row), lb = (size_t)it->n_tokens * lse_row;
+    outs[i] = (da_call_out){.n_tokens = it->n_tokens, .o = it->o, .lse = it->lse};
+    if (arena) {
+      /* By reference: tensors in the arena as they are, others through a scratch block. */
+      const void *in[3] = {it->q, it->k, it->v};
+      size_t len[3] = {qb, kb, kb};
+      Detattn__V1__TensorRef **dst[3] = {&seqs[i].q_ref, &seqs[i].k_ref, &seqs[i].v_ref};
+      for (int t = 0; t < 3; t++) {
+        Detattn__V1__TensorRef *r = &refs[n_refs++];
+        *r = (Detattn__V1__TensorRef)DETATTN__V1__TENSOR_REF__INIT;
+        r->arena = arena;
+        r->length = len[t];
+        if (!da_arena_offset(&c->arena, in[t], len[t], &r->offset)) {
+          void *tmp = da_arena_alloc(&c->arena, len[t]);
+          if (!tmp) goto no_room;
+          scratch[n_scratch++] = tmp;
+          memcpy(tmp, in[t], len[t]);
+          da_arena_offset(&c->arena, tmp, len[t], &r->offset);
+        }
+        *dst[t] = r;
+      }
+      void *outp[2] = {it->o, it->lse};
+      size_t olen[2] = {qb, lb};
+      for (int t = 0; t < 2; t++) {
+        if (t == 1 && !want_lse) break;
+        Detattn__V1__TensorRef *r = &refs[n_refs++];
+        *r = (Detattn__V1__TensorRef)DETATTN__V1__TENSOR_REF__INIT;
+        r->arena = arena;
+        r->length = olen[t];
+        void *tmp = NULL;
+        if (!outp[t] || !da_arena_offset(&c->arena, outp[t], olen[t], &r->offset)) {
+          tmp = da_arena_alloc(&c->arena, olen[t]);
+          if (!tmp) goto no_room;
+          scratch[n_scratch++] = tmp;
+          da_arena_offset(&c->arena, tmp, olen[t], &r->offset);
+        }
+        if (t == 0) {
+          seqs[i].o_ref = r;
+          outs[i].o_ref = 1;
+          outs[i].o_tmp = tmp;
+        } else {
+          seqs[i].lse_ref = r;
+          outs[i].lse_ref = 1;
+          outs[i].lse_tmp = tmp;
+        }
+      }
+    } else {
+      /* The pointers are only read while packing, before start_request returns. */
+      seqs[i].q = (ProtobufCBinaryData){qb, (uint8_t *)(uintptr_t)it->q};
+      seqs[i].k = (ProtobufCBinaryData){kb, (uint8_t *)(uintptr_t)it->k};
+      seqs[i].v = (ProtobufCBinaryData){kb, (uint8_t *)(uintptr_t)it->v};
+    }
     ptrs[i] = &seqs[i];
-    outs[i] = (da_call_out){it->n_tokens, it->o, it->lse};
+    continue;
+  no_room:
+    /* The arena is full: this call goes by copy (same bits). */
+    for (size_t j = 0; j < n_scratch; j++) da_arena_free(&c->arena, scratch[j]);
+    n_scratch = 0;
+    n_refs = 0;
+    arena = 0;
+    i = (size_t)-1;
   }
   f.layer = layer;
   f.n_seqs = n;
@@ -360,9 +494,16 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
   k->want_lse = want_lse;
   k->n_out = n;
   k->out = outs;
+  k->scratch = scratch;
+  k->n_scratch = n_scratch;
   outs = NULL;
+  scratch = NULL;
+  n_scratch = 0;
   *out = k;
 done:
+  for (size_t j = 0; j < n_scratch; j++) da_arena_free(&c->arena, scratch[j]);
+  free(scratch);
+  free(refs);
   free(outs);
   free(ptrs);
   free(seqs);
@@ -378,7 +519,8 @@ static int check_forward_reply(const detattn_call *k, const Detattn__V1__Forward
     return da_err(DETATTN_INTERNAL, "forward reply has %zu sequences, the request %zu", fr->n_seqs, k->n_out);
   for (size_t i = 0; i < k->n_out; i++) {
     const Detattn__V1__ForwardSeqOut *so = fr->seqs[i];
-    uint64_t want_o = k->out[i].n_tokens * o_row, want_lse = k->want_lse ? k->out[i].n_tokens * lse_row : 0;
+    uint64_t want_o = k->out[i].o_ref ? 0 : k->out[i].n_tokens * o_row;
+    uint64_t want_lse = k->want_lse && !k->out[i].lse_ref ? k->out[i].n_tokens * lse_row : 0;
     if (so->o.len != want_o)
       return da_err(DETATTN_INTERNAL, "forward reply item %zu: o has %zu bytes, expected %llu", i, so->o.len,
                     (unsigned long long)want_o);
@@ -398,8 +540,13 @@ DETATTN_API int detattn_call_wait(detattn_call *k) {
   if ((st = check_forward_reply(k, x.r->forward)) == DETATTN_OK) {
     for (size_t i = 0; i < k->n_out; i++) {
       const Detattn__V1__ForwardSeqOut *so = x.r->forward->seqs[i];
-      if (so->o.len) memcpy(k->out[i].o, so->o.data, so->o.len);
-      if (k->out[i].lse && so->lse.len) memcpy(k->out[i].lse, so->lse.data, so->lse.len);
+      const da_call_out *w = &k->out[i];
+      size_t ob = (size_t)w->n_tokens * k->model.n_q_heads * k->model.head_dim * 2;
+      size_t lb = (size_t)w->n_tokens * k->model.n_q_heads * 4;
+      if (so->o.len) memcpy(w->o, so->o.data, so->o.len);
+      else if (w->o_tmp && w->o) memcpy(w->o, w->o_tmp, ob);
+      if (w->lse && so->lse.len) memcpy(w->lse, so->lse.data, so->lse.len);
+      else if (w->lse && w->lse_tmp) memcpy(w->lse, w->lse_tmp, lb);
     }
   }
   reply_free(&x);

@@ -133,6 +133,9 @@ static int op_stats(da_daemon *d, request *r) {
     memcpy(s.op_ok, c->op_ok, sizeof(s.op_ok));
     memcpy(s.op_errors, c->op_errors, sizeof(s.op_errors));
   }
+  int arenas = 0;
+  da_planes_usage(d->planes, c->stats_all ? 0 : c->id, &arenas, &s.arena_bytes);
+  s.arenas = (uint32_t)arenas;
   da_daemon_summary_get(&d->batch_tokens, 1.0, &s.batch_tokens);
   da_daemon_summary_get(&d->batch_requests, 1.0, &s.batch_requests);
   da_daemon_summary_get(&d->queue_ns, 1e-3, &s.queue_us);

@@ -443,7 +443,18 @@ void da_planes_client_gone(da_planes *p, uint32_t client) {
     }
 }
 
-void da_planes_usage(const da_planes *p, int *arenas, uint64_t *bytes) {
-  *arenas = p->n_mapped;
-  *bytes = p->mapped_bytes;
+void da_planes_usage(const da_planes *p, uint32_t client, int *arenas, uint64_t *bytes) {
+  *arenas = 0;
+  *bytes = 0;
+  if (client == 0) {
+    *arenas = p->n_mapped;
+    *bytes = p->mapped_bytes;
+    return;
+  }
+  for (int b = 0; b < ARENA_BUCKETS; b++)
+    for (const arena *a = p->buckets[b]; a; a = a->next)
+      if (a->client == client && a->base) {
+        (*arenas)++;
+        *bytes += a->size;
+      }
 }

@@ -74,7 +74,8 @@ int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, siz
 void da_planes_release(da_planes *p, uint32_t client, uint32_t arena);
 /* The connection closed: its arenas go (each once no request holds it). */
 void da_planes_client_gone(da_planes *p, uint32_t client);
-/* Arenas mapped now, and bytes mapped (for stats and tests). */
-void da_planes_usage(const da_planes *p, int *arenas, uint64_t *bytes);
+/* Arenas mapped now, and bytes mapped (for stats and tests): every connection's when client
+ * is 0, else client's. */
+void da_planes_usage(const da_planes *p, uint32_t client, int *arenas, uint64_t *bytes);
 
 #endif /* DA_PLANE_H */

@@ -395,6 +395,8 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       sr.kv_pages_free = s->kv_pages_free;
       sr.sequences = s->sequences;
       sr.clients = s->clients;
+      sr.arenas = s->arenas;
+      sr.arena_bytes = s->arena_bytes;
       resp.result_case = DETATTN__V1__RESPONSE__RESULT_STATS;
       resp.stats = &sr;
       break;

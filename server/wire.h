@@ -132,6 +132,8 @@ typedef struct da_wire_stats_reply {
   da_wire_summary batch_tokens, batch_requests, queue_us;
   uint64_t inrow_rows, partial_rows;
   uint32_t kv_pages_total, kv_pages_used, kv_pages_free, sequences, clients;
+  uint32_t arenas;
+  uint64_t arena_bytes;
 } da_wire_stats_reply;
 
 /* One sequence's Forward output. o: [n_tokens][n_q_heads][head_dim] (o_len bytes);

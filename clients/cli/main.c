@@ -38,6 +38,7 @@ static struct {
   /* verify */
   da_verify_cfg vcfg;
   double tol;
+  const char *plane_name;
 } g = {.timeout_ms = 60000, .tokens = 16, .seed = 1, .vcfg = {.seed = 1, .decode_steps = 16}};
 
 static const opt common_opts[] = {
@@ -68,6 +69,8 @@ static const opt verify_opts[] = {
     {"check-ref", O_FLAG, &g.vcfg.check_ref, NULL, "also compare with an fp64 reference computed here"},
     {"tol", O_DBL, &g.tol, "X", "with --check-ref: largest accepted relative error (default: 2e-2 bf16, 4e-3 fp16)"},
     {"url-b", O_STR, &g.vcfg.url_b, "URL", "A/B: run the concurrent pass against this second daemon"},
+    {"data-plane", O_STR, &g.plane_name, "P",
+     "copy|shm|cuda|auto: how the concurrent pass's tensors travel (the reference pass copies; default copy)"},
     {NULL, 0, NULL, NULL, NULL}};
 
 static const opt no_opts[] = {{NULL, 0, NULL, NULL, NULL}};
@@ -428,6 +431,18 @@ static int cmd_verify(detattn_client *c) {
 
   g.vcfg.url = g.url;
   g.vcfg.timeout_ms = g.timeout_ms > 0 ? g.timeout_ms : -1;
+  if (g.plane_name) {
+    static const char *const names[] = {"auto", "copy", "shm", "cuda"};
+    int found = -1;
+    for (int i = 0; i < 4; i++)
+      if (strcmp(g.plane_name, names[i]) == 0) found = i;
+    if (found < 0) {
+      fprintf(stderr, "detattn: verify: --data-plane %s is not copy, shm, cuda or auto\n", g.plane_name);
+      return EXIT_USAGE;
+    }
+    g.vcfg.data_plane = found;
+    g.vcfg.data_plane_set = 1;
+  }
   if ((st = da_verify_alloc(&v, &g.vcfg, msg, sizeof msg)) != DETATTN_OK) {
     fprintf(stderr, "detattn: verify: %s\n", msg);
     return st == DETATTN_INVALID_ARGUMENT ? EXIT_USAGE : EXIT_CALL;
@@ -455,6 +470,8 @@ static int cmd_verify(detattn_client *c) {
     cJSON_AddNumberToObject(j, "outputs_compared", (double)r.outputs_compared);
     cJSON_AddNumberToObject(j, "mismatches", (double)r.mismatches);
     cJSON_AddStringToObject(j, "fingerprint", fp);
+    cJSON_AddStringToObject(j, "data_plane",
+                            r.data_plane_used < 0 ? "mixed" : detattn_data_plane_name((detattn_data_plane)r.data_plane_used));
     if (cfg.url_b) cJSON_AddStringToObject(j, "fingerprint_b", fpb);
     cJSON_AddNumberToObject(j, "tokens_per_pass", (double)r.tokens);
     cJSON_AddNumberToObject(j, "forwards_reference", (double)r.forwards_ref);
@@ -474,8 +491,10 @@ static int cmd_verify(detattn_client *c) {
            cfg.decode_steps);
     printf("reference pass   %llu forwards, one at a time, in %.2f s\n", (unsigned long long)r.forwards_ref,
            r.ref_seconds);
-    printf("concurrent pass  %llu forwards from %d clients, other chunkings, in %.2f s\n",
-           (unsigned long long)r.forwards_concurrent, cfg.clients, r.concurrent_seconds);
+    printf("concurrent pass  %llu forwards from %d clients, other chunkings, data plane %s, in %.2f s\n",
+           (unsigned long long)r.forwards_concurrent, cfg.clients,
+           r.data_plane_used < 0 ? "mixed" : detattn_data_plane_name((detattn_data_plane)r.data_plane_used),
+           r.concurrent_seconds);
     printf("outputs compared %llu (o and lse, bitwise)\n", (unsigned long long)r.outputs_compared);
     printf("mismatches       %llu%s%s\n", (unsigned long long)r.mismatches, r.mismatches ? ", first: " : "",
            r.first_mismatch);

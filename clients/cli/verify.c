@@ -204,7 +204,10 @@ static int reference_pass(da_verify *v, da_verify_result *res, char *msg, size_t
   int st;
   da_rng r;
 
-  if ((st = detattn_connect(&c, v->cfg.url)) != DETATTN_OK) return fail(msg, len, st, "reference pass: connect");
+  detattn_connect_opts co;
+  detattn_connect_opts_init(&co);
+  co.data_plane = DETATTN_PLANE_COPY; /* the reference: bytes in messages */
+  if ((st = detattn_connect_ex(&c, v->cfg.url, &co)) != DETATTN_OK) return fail(msg, len, st, "reference pass: connect");
   detattn_set_timeout(c, v->cfg.timeout_ms);
   da_rng_seed(&r, mix(v->cfg.seed, 3, 0));
   for (int s = 0; s < v->n_seqs && st == DETATTN_OK; s++) {
@@ -248,6 +251,7 @@ typedef struct worker {
   int index;
   uint64_t forwards;
   uint64_t fingerprint;
+  int plane;
   int status;
   char msg[400];
 } worker;
@@ -328,7 +332,10 @@ static void *worker_main(void *arg) {
   da_rng r;
 
   memset(cur, 0, sizeof cur);
-  if ((st = detattn_connect(&c, v->cfg.url_b ? v->cfg.url_b : v->cfg.url)) != DETATTN_OK) {
+  detattn_connect_opts co;
+  detattn_connect_opts_init(&co);
+  co.data_plane = v->cfg.data_plane_set ? (detattn_data_plane)v->cfg.data_plane : DETATTN_PLANE_COPY;
+  if ((st = detattn_connect_ex(&c, v->cfg.url_b ? v->cfg.url_b : v->cfg.url, &co)) != DETATTN_OK) {
     w->status = fail(w->msg, sizeof w->msg, st, "concurrent pass: connect");
     return NULL;
   }
@@ -338,6 +345,7 @@ static void *worker_main(void *arg) {
     goto done;
   }
   w->fingerprint = info.fingerprint;
+  w->plane = (int)detattn_data_plane_get(c);
   da_rng_seed(&r, mix(v->cfg.seed, 4, (uint64_t)w->index));
   for (int s = w->index; s < v->n_seqs && n_cur < 64; s += v->cfg.clients) {
     cursor *k = &cur[n_cur++];
@@ -401,6 +409,9 @@ static int concurrent_pass(da_verify *v, da_verify_result *res, char *msg, size_
     if (started[i]) pthread_join(thr[i], NULL);
   /* Every connection of the pass saw one daemon: without url_b, the reference pass's. */
   res->fingerprint_b = v->cfg.url_b ? w[0].fingerprint : res->fingerprint;
+  res->data_plane_used = w[0].plane;
+  for (int i = 1; i < n; i++)
+    if (w[i].plane != res->data_plane_used) res->data_plane_used = -1; /* mixed */
   for (int i = 0; i < n && st == DETATTN_OK; i++) {
     res->forwards_concurrent += w[i].forwards;
     if (w[i].status != DETATTN_OK) {

@@ -38,6 +38,9 @@ typedef struct da_verify_cfg {
   int check_ref;    /* also compare with the fp64 reference */
   int timeout_ms;   /* per call (default 60000) */
   const char *url_b; /* A/B: run the concurrent pass against this daemon instead (NULL: url) */
+  int data_plane;    /* with data_plane_set: the concurrent pass's detattn_data_plane (the reference pass
+                      * always copies); otherwise copy */
+  int data_plane_set;
 } da_verify_cfg;
 
 /* Fills unset (zero) fields with the defaults above. */
@@ -54,6 +57,7 @@ typedef struct da_verify_result {
   double max_rel_err;        /* check_ref: max over rows of ||o - ref||2 / ||ref||2 */
   double max_lse_abs_err;    /* check_ref: max |lse - ref| */
   char first_mismatch[200];  /* where the first mismatch was, "" if none */
+  int data_plane_used;       /* the plane the concurrent pass's clients used */
 } da_verify_result;
 
 typedef struct da_verify da_verify;

@@ -94,6 +94,7 @@ typedef struct detattn_server_info {
   uint32_t max_tokens_per_request;
   uint64_t kv_capacity_tokens;
   uint32_t kv_pages;
+  uint32_t data_planes;     /* planes the daemon offers: bit (1 << DETATTN_PLANE_*) */
 } detattn_server_info;
 
 typedef struct detattn_stats {
@@ -110,14 +111,55 @@ typedef struct detattn_stats {
   uint32_t kv_pages_total, kv_pages_used, kv_pages_free;
   uint32_t sequences;
   uint32_t clients;
+  uint32_t arenas;          /* shared-memory arenas mapped by the daemon */
+  uint64_t arena_bytes;
 } detattn_stats;
 
 typedef struct detattn_client detattn_client;
 
-/* Connects to url (ipc://..., tcp://127.0.0.1:port, tls+tcp://...). Does not block for
- * long: nng dials in the background; the first call waits for the connection up to its
- * timeout. */
+/* Connects to url (ipc://..., tcp://127.0.0.1:port, tls+tcp://...) with the default
+ * options (detattn_connect_opts_init). Does not block for long: nng dials in the
+ * background; the first call waits for the connection up to its timeout. */
 DETATTN_API int detattn_connect(detattn_client **out, const char *url);
+
+/*
+ * Data planes: how tensors travel. All give the same bits.
+ *  COPY  bytes inside the request and reply messages (any transport; remote clients).
+ *  SHM   a shared-memory arena (a sealed memfd of arena_bytes, handed to the daemon over
+ *        its ipc side socket): the daemon reads q/k/v and writes o/lse in place. Tensors
+ *        allocated with detattn_arena_alloc are not copied at all; other pointers are
+ *        copied into the arena (one memcpy each) and outputs copied back.
+ *  AUTO  SHM when the daemon offers it (ipc://, same host), else COPY.
+ * The arena is set up with the first call that needs the daemon's Hello, and again after a
+ * reconnect (the daemon forgets a closed connection's arenas; the memory stays valid here).
+ */
+typedef enum detattn_data_plane {
+  DETATTN_PLANE_AUTO = 0,
+  DETATTN_PLANE_COPY = 1,
+  DETATTN_PLANE_SHM = 2,
+  DETATTN_PLANE_CUDA = 3,
+} detattn_data_plane;
+
+typedef struct detattn_connect_opts {
+  uint32_t struct_size;          /* sizeof(detattn_connect_opts); set by _init */
+  detattn_data_plane data_plane; /* default AUTO */
+  uint64_t arena_bytes;          /* SHM arena size; default 256 MiB */
+  int timeout_ms;                /* per-call timeout; default 60000; <= 0 waits forever */
+} detattn_connect_opts;
+
+DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *opts);
+/* Connects with opts (NULL: defaults). With data_plane SHM, a call fails with
+ * FAILED_PRECONDITION (and the reason) when the arena cannot be set up; with AUTO it falls
+ * back to COPY (detattn_data_plane_get says which). */
+DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const detattn_connect_opts *opts);
+/* The plane calls use now (after the first Hello; before it: the one asked for). */
+DETATTN_API detattn_data_plane detattn_data_plane_get(detattn_client *c);
+DETATTN_API const char *detattn_data_plane_name(detattn_data_plane p);
+/* Memory in the client's arena (64-byte aligned), or NULL when there is no arena (not SHM,
+ * not set up yet: call detattn_hello first) or it is full. Tensors here travel by
+ * reference. Any thread. */
+DETATTN_API void *detattn_arena_alloc(detattn_client *c, size_t bytes);
+DETATTN_API void detattn_arena_free(detattn_client *c, void *p);
 /* Closes the connection: the daemon closes every sequence this client opened.
  * Outstanding calls finish with DETATTN_CANCELLED or DETATTN_UNAVAILABLE. NULL is a no-op. */
 DETATTN_API void detattn_close(detattn_client *c);

@@ -1,0 +1,525 @@
+/*
+ * test_plane.c — the shared-memory data plane against the real detattnd (CPU backend): the
+ * same bits as the copy path (through `verify` and through tensors allocated in the
+ * arena), and hostile or broken clients — references outside an arena, unknown, pending,
+ * released and foreign arenas, an unsealed memfd, a hand-over from another process, a
+ * client killed with calls in flight, a client unmapping its arena mid-call, a silent side
+ * connection — each answered with its status while nothing is written outside the named
+ * memory and every arena is unmapped when its connection closes.
+ */
+#include <check.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
+
+#include "da.h"
+#include "daemon_proc.h"
+#include "detattn.h"
+#include "detattn.pb-c.h"
+#include "testutil.h"
+#include "verify.h"
+
+static da_daemon_proc D;
+static uint64_t seed;
+
+/* Model: 2 layers, 4 q / 2 kv heads, d 64, bf16. */
+#define HQ 4
+#define HKV 2
+#define HD 64
+#define QROW (HQ * HD * 2)
+#define KVROW (HKV * HD * 2)
+
+static void setup(void) {
+  static const char *const args[] = {"--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                     "--dtype", "bf16", "--kv-tokens", "16384", "--split-tokens", "64",
+                                     "--tile-tokens", "16", "--threads", "2", "--max-conn-per-peer", "1000", NULL};
+  seed = da_test_seed(0x5a4e5eedull);
+  if (da_daemon_start(&D, DETATTND_PATH, args) != 0) ck_abort_msg("detattnd did not start");
+}
+
+static void teardown(void) {
+  da_daemon_stop(&D);
+  nng_fini();
+}
+
+static detattn_client *connect_plane(detattn_data_plane p) {
+  detattn_client *c;
+  detattn_connect_opts o;
+  detattn_connect_opts_init(&o);
+  o.data_plane = p;
+  o.arena_bytes = 8u << 20;
+  o.timeout_ms = 20000;
+  ck_assert_int_eq(detattn_connect_ex(&c, D.url, &o), DETATTN_OK);
+  detattn_server_info info;
+  int st = detattn_hello(c, &info);
+  ck_assert_msg(st == DETATTN_OK, "hello: %s: %s", detattn_status_name(st), detattn_errmsg());
+  ck_assert_int_eq(detattn_data_plane_get(c), p);
+  return c;
+}
+
+static detattn_stats stats_of(detattn_client *c) {
+  detattn_stats s;
+  ck_assert_int_eq(detattn_stats_get(c, &s), DETATTN_OK);
+  return s;
+}
+
+/* ---- same bits ---- */
+
+START_TEST(verify_over_shm_matches_the_copy_pass_bitwise) {
+  da_verify_cfg cfg = {.url = D.url, .seed = seed, .seqs = 12, .clients = 6, .layers_used = 2, .max_prompt = 150,
+                       .decode_steps = 6, .data_plane = DETATTN_PLANE_SHM, .data_plane_set = 1};
+  da_verify *v;
+  da_verify_result r;
+  char msg[512];
+  ck_assert_msg(da_verify_alloc(&v, &cfg, msg, sizeof msg) == DETATTN_OK, "%s", msg);
+  ck_assert_msg(da_verify_run(v, &r, msg, sizeof msg) == DETATTN_OK, "%s", msg);
+  ck_assert_int_eq(r.data_plane_used, DETATTN_PLANE_SHM);
+  ck_assert_uint_gt(r.outputs_compared, 1000);
+  ck_assert_msg(r.mismatches == 0, "%llu outputs differ between copy and shm, first %s (seed %llu)",
+                (unsigned long long)r.mismatches, r.first_mismatch, (unsigned long long)seed);
+  da_verify_free(v);
+}
+END_TEST
+
+/* One prefill of n tokens on a fresh sequence of c; inputs and outputs where the caller says. */
+static void prefill(detattn_client *c, int n, const void *q, const void *kv, void *o, float *lse) {
+  uint64_t seq;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = (uint32_t)n, .q = q, .k = kv, .v = kv, .o = o, .lse = lse};
+  int st = detattn_forward(c, 0, &io, 1);
+  ck_assert_msg(st == DETATTN_OK, "forward: %s: %s", detattn_status_name(st), detattn_errmsg());
+  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
+}
+
+START_TEST(tensors_in_the_arena_travel_by_reference_with_the_same_bits) {
+  enum { N = 300 };
+  da_rng r;
+  da_rng_seed(&r, seed);
+  uint16_t *q = malloc(N * QROW), *kv = malloc(N * KVROW), *o_copy = malloc(N * QROW), *o_heap = malloc(N * QROW);
+  float *l_copy = malloc(N * HQ * 4), *l_heap = malloc(N * HQ * 4);
+  da_rng_fill(&r, DA_BF16, q, N * QROW / 2, 1.0);
+  da_rng_fill(&r, DA_BF16, kv, N * KVROW / 2, 1.0);
+  detattn_client *cc = connect_plane(DETATTN_PLANE_COPY), *cs = connect_plane(DETATTN_PLANE_SHM);
+  prefill(cc, N, q, kv, o_copy, l_copy);
+  /* Heap pointers through the shm plane (copied into the arena and back). */
+  da_test_poison(DA_BF16, o_heap, N * QROW / 2);
+  prefill(cs, N, q, kv, o_heap, l_heap);
+  ck_assert_msg(memcmp(o_copy, o_heap, N * QROW) == 0 && memcmp(l_copy, l_heap, N * HQ * 4) == 0,
+                "shm with heap buffers differs from copy (seed %llu)", (unsigned long long)seed);
+  /* Everything in the arena: no copy at all, the daemon writes o and lse in place. */
+  uint16_t *aq = detattn_arena_alloc(cs, N * QROW), *akv = detattn_arena_alloc(cs, N * KVROW);
+  uint16_t *ao = detattn_arena_alloc(cs, N * QROW);
+  float *al = detattn_arena_alloc(cs, N * HQ * 4);
+  ck_assert(aq && akv && ao && al);
+  ck_assert_uint_eq((uintptr_t)aq % 64, 0);
+  memcpy(aq, q, N * QROW);
+  memcpy(akv, kv, N * KVROW);
+  da_test_poison(DA_BF16, ao, N * QROW / 2);
+  prefill(cs, N, aq, akv, ao, al);
+  ck_assert_msg(memcmp(o_copy, ao, N * QROW) == 0 && memcmp(l_copy, al, N * HQ * 4) == 0,
+                "shm in the arena differs from copy (seed %llu)", (unsigned long long)seed);
+  detattn_stats s = stats_of(cs);
+  ck_assert_uint_ge(s.arenas, 1);
+  detattn_arena_free(cs, aq);
+  detattn_arena_free(cs, akv);
+  detattn_arena_free(cs, ao);
+  detattn_arena_free(cs, al);
+  /* After freeing, one block the size of the whole arena minus a page fits again. */
+  void *big = detattn_arena_alloc(cs, (8u << 20) - 4096);
+  ck_assert_ptr_nonnull(big);
+  detattn_arena_free(cs, big);
+  detattn_close(cs);
+  /* Closing the connection unmaps its arena. */
+  for (int i = 0; i < 100 && stats_of(cc).arenas > 0; i++) da_test_sleep_ms(20);
+  ck_assert_uint_eq(stats_of(cc).arenas, 0);
+  detattn_close(cc);
+  free(q);
+  free(kv);
+  free(o_copy);
+  free(o_heap);
+  free(l_copy);
+  free(l_heap);
+}
+END_TEST
+
+/* ---- hostile and broken clients, with raw requests ---- */
+
+typedef struct raw {
+  nng_socket sock;
+  uint64_t next_id;
+} raw;
+
+static void raw_open(raw *r) {
+  ck_assert_int_eq(nng_req0_open(&r->sock), 0);
+  nng_socket_set_ms(r->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
+  nng_socket_set_ms(r->sock, NNG_OPT_RECVTIMEO, 10000);
+  ck_assert_int_eq(nng_dial(r->sock, D.url, NULL, 0), 0);
+  r->next_id = 1;
+}
+
+/* Sends rq, returns the status code; the reply in *out when out is not NULL. */
+static int raw_call(raw *r, Detattn__V1__Request *rq, char *msg, size_t len, Detattn__V1__Response **out) {
+  rq->id = r->next_id++;
+  size_t n = detattn__v1__request__get_packed_size(rq);
+  nng_msg *m;
+  ck_assert_int_eq(nng_msg_alloc(&m, n), 0);
+  detattn__v1__request__pack(rq, nng_msg_body(m));
+  ck_assert_int_eq(nng_sendmsg(r->sock, m, 0), 0);
+  ck_assert_int_eq(nng_recvmsg(r->sock, &m, 0), 0);
+  Detattn__V1__Response *resp = detattn__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
+  nng_msg_free(m);
+  ck_assert_ptr_nonnull(resp);
+  int code = resp->status ? (int)resp->status->code : 0;
+  snprintf(msg, len, "%s", resp->status && resp->status->message ? resp->status->message : "");
+  if (out) *out = resp;
+  else detattn__v1__response__free_unpacked(resp, NULL);
+  return code;
+}
+
+static void expect(int got, const char *msg, int want, const char *what) {
+  ck_assert_msg(got == want, "%s: got %s (%s), want %s", what, detattn_status_name(got), msg, detattn_status_name(want));
+  ck_assert_msg(msg[0] != '\0' || want == 0, "%s: %s without a message", what, detattn_status_name(got));
+}
+
+static uint32_t raw_register(raw *r, uint64_t size, uint64_t *token) {
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
+  Detattn__V1__Response *resp;
+  char msg[256];
+  ra.size = size;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = &ra;
+  expect(raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "register_arena");
+  uint32_t id = resp->register_arena->arena;
+  *token = resp->register_arena->token;
+  detattn__v1__response__free_unpacked(resp, NULL);
+  return id;
+}
+
+/* A memfd of size bytes, sealed against shrinking when sealed is set. */
+static int make_memfd(size_t size, int sealed) {
+  int fd = memfd_create("test-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(ftruncate(fd, (off_t)size), 0);
+  if (sealed) ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  return fd;
+}
+
+/* Hands fd over for arena id; returns the daemon's status byte (or -1: no answer). */
+static int handover(int fd, uint32_t id, uint64_t token) {
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%.90s.arena", D.url + 6);
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ck_assert_int_eq(connect(s, (struct sockaddr *)&sa, sizeof sa), 0);
+  uint8_t msg[16];
+  uint32_t magic = 0x52414144u;
+  memcpy(msg, &magic, 4);
+  memcpy(msg + 4, &id, 4);
+  memcpy(msg + 8, &token, 8);
+  union {
+    struct cmsghdr h;
+    char b[CMSG_SPACE(sizeof(int))];
+  } ctl;
+  memset(&ctl, 0, sizeof ctl);
+  struct iovec iov = {.iov_base = msg, .iov_len = sizeof msg};
+  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
+  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  ck_assert_int_eq(sendmsg(s, &m, MSG_NOSIGNAL), (ssize_t)sizeof msg);
+  struct pollfd pf = {.fd = s, .events = POLLIN};
+  uint8_t code;
+  int rv = poll(&pf, 1, 5000) == 1 && read(s, &code, 1) == 1 ? code : -1;
+  close(s);
+  return rv;
+}
+
+static uint64_t raw_seq_open(raw *r) {
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
+  Detattn__V1__Response *resp;
+  char msg[256];
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
+  rq.seq_open = &so;
+  expect(raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "seq_open");
+  uint64_t seq = resp->seq_open->seq;
+  detattn__v1__response__free_unpacked(resp, NULL);
+  return seq;
+}
+
+/* A one-sequence Forward of n tokens at pos 0 with every tensor by reference. */
+typedef struct ref_fwd {
+  Detattn__V1__TensorRef ref[5];
+  Detattn__V1__ForwardSeq fs;
+  Detattn__V1__ForwardSeq *fsp;
+  Detattn__V1__Forward f;
+  Detattn__V1__Request rq;
+} ref_fwd;
+
+static void ref_fwd_init(ref_fwd *x, uint64_t seq, uint32_t arena, int n, uint64_t base) {
+  Detattn__V1__ForwardSeq fs = DETATTN__V1__FORWARD_SEQ__INIT;
+  Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  uint64_t len[5] = {(uint64_t)n * QROW, (uint64_t)n * KVROW, (uint64_t)n * KVROW, (uint64_t)n * QROW, (uint64_t)n * HQ * 4};
+  uint64_t off = base;
+  for (int i = 0; i < 5; i++) {
+    x->ref[i] = (Detattn__V1__TensorRef)DETATTN__V1__TENSOR_REF__INIT;
+    x->ref[i].arena = arena;
+    x->ref[i].offset = off;
+    x->ref[i].length = len[i];
+    off += len[i];
+  }
+  x->fs = fs;
+  x->fs.seq = seq;
+  x->fs.n_tokens = (uint32_t)n;
+  x->fs.q_ref = &x->ref[0];
+  x->fs.k_ref = &x->ref[1];
+  x->fs.v_ref = &x->ref[2];
+  x->fs.o_ref = &x->ref[3];
+  x->fs.lse_ref = &x->ref[4];
+  x->fsp = &x->fs;
+  x->f = f;
+  x->f.n_seqs = 1;
+  x->f.seqs = &x->fsp;
+  x->f.want_lse = 1;
+  x->rq = rq;
+  x->rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
+  x->rq.forward = &x->f;
+}
+
+START_TEST(bad_references_and_arenas_get_their_codes_and_write_nothing) {
+  enum { SIZE = 1 << 20, N = 16 };
+  raw r;
+  raw_open(&r);
+  char msg[256];
+  uint64_t token, seq = raw_seq_open(&r);
+  uint32_t id = raw_register(&r, SIZE, &token);
+  ref_fwd x;
+  /* Not handed over yet. */
+  ref_fwd_init(&x, seq, id, N, 0);
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "arena not handed over");
+  /* An unsealed memfd is refused (it could be truncated under the daemon). */
+  int bad = make_memfd(SIZE, 0);
+  ck_assert_int_eq(handover(bad, id, token), DETATTN_INVALID_ARGUMENT);
+  close(bad);
+  ck_assert_msg(da_daemon_log_has(&D, "sealed against shrinking"), "the refusal was not logged");
+  /* A wrong token is refused. */
+  int fd = make_memfd(SIZE, 1);
+  ck_assert_int_eq(handover(fd, id, token ^ 1), DETATTN_NOT_FOUND);
+  /* A hand-over from another process (its pid is not the registering one's) is refused. */
+  pid_t pid = fork();
+  if (pid == 0) _exit(handover(fd, id, token) == DETATTN_PERMISSION_DENIED ? 0 : 1);
+  int status;
+  ck_assert_int_eq(waitpid(pid, &status, 0), pid);
+  ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "another process handed the arena over");
+  /* The right one. */
+  ck_assert_int_eq(handover(fd, id, token), 0);
+  uint8_t *mem = mmap(NULL, SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ck_assert_ptr_ne(mem, MAP_FAILED);
+  da_rng rg;
+  da_rng_seed(&rg, seed);
+  da_rng_fill(&rg, DA_BF16, mem, SIZE / 2, 1.0);
+  uint8_t *before = malloc(SIZE);
+  memcpy(before, mem, SIZE);
+  /* References outside the arena, overflowing, misaligned, or of the wrong length. */
+  ref_fwd_init(&x, seq, id, N, SIZE - 100);
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q past the arena's end");
+  ref_fwd_init(&x, seq, id, N, 0);
+  x.ref[3].offset = UINT64_MAX - 10;
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "o offset overflowing");
+  ref_fwd_init(&x, seq, id, N, 1);
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "misaligned q");
+  ref_fwd_init(&x, seq, id, N, 0);
+  x.ref[0].length -= 2;
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q length wrong");
+  /* Unknown arena; the arena of another connection. */
+  ref_fwd_init(&x, seq, id + 1000, N, 0);
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unknown arena");
+  raw other;
+  raw_open(&other);
+  uint64_t oseq = raw_seq_open(&other);
+  ref_fwd_init(&x, oseq, id, N, 0);
+  expect(raw_call(&other, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "another connection's arena");
+  ck_assert_msg(memcmp(before, mem, SIZE) == 0, "a refused forward wrote into the arena");
+  /* Nothing was appended: pos 0 is still the sequence's length, and a good forward works. */
+  ref_fwd_init(&x, seq, id, N, 0);
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "good forward");
+  size_t o_at = (size_t)N * (QROW + 2 * KVROW), end = o_at + (size_t)N * (QROW + HQ * 4);
+  ck_assert_msg(memcmp(before, mem, o_at) == 0 && memcmp(before + end, mem + end, SIZE - end) == 0,
+                "the daemon wrote outside o and lse");
+  ck_assert_msg(memcmp(before + o_at, mem + o_at, end - o_at) != 0, "o and lse were not written");
+  /* Released: later references fail; a second release is NOT_FOUND. */
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__UnregisterArena ua = DETATTN__V1__UNREGISTER_ARENA__INIT;
+  ua.arena = id;
+  rq.op_case = DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA;
+  rq.unregister_arena = &ua;
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "unregister");
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unregister twice");
+  x.fs.pos = N;
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "released arena");
+  /* Arenas over the size limit or of size 0. */
+  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
+  rq = (Detattn__V1__Request)DETATTN__V1__REQUEST__INIT;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = &ra;
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 0 bytes");
+  ra.size = 1ull << 50;
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 1 PiB");
+  munmap(mem, SIZE);
+  close(fd);
+  free(before);
+  nng_close(other.sock);
+  nng_close(r.sock);
+  detattn_client *c = connect_plane(DETATTN_PLANE_COPY);
+  for (int i = 0; i < 100 && stats_of(c).arenas > 0; i++) da_test_sleep_ms(20);
+  ck_assert_uint_eq(stats_of(c).arenas, 0);
+  detattn_close(c);
+}
+END_TEST
+
+/* The child: an shm client with a big forward in flight; it unmaps its own arena while the
+ * call runs, then waits to be killed. */
+static void shm_victim(int fd_go, int fd_ready, int unmap) {
+  char go;
+  if (read(fd_go, &go, 1) != 1) _exit(9);
+  detattn_client *c;
+  detattn_connect_opts o;
+  detattn_connect_opts_init(&o);
+  o.data_plane = DETATTN_PLANE_SHM;
+  o.arena_bytes = 32u << 20;
+  detattn_server_info info;
+  if (detattn_connect_ex(&c, D.url, &o) || detattn_hello(c, &info)) _exit(10);
+  enum { N = 2000 };
+  uint16_t *q = detattn_arena_alloc(c, N * QROW), *kv = detattn_arena_alloc(c, N * KVROW);
+  uint16_t *out = detattn_arena_alloc(c, 4 * N * QROW);
+  if (!q || !kv || !out) _exit(11);
+  memset(q, 0x3c, N * QROW);
+  memset(kv, 0x3b, N * KVROW);
+  detattn_call *calls[4];
+  for (int i = 0; i < 4; i++) {
+    uint64_t seq;
+    if (detattn_seq_open(c, &seq)) _exit(12);
+    detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = kv, .v = kv, .o = out + (size_t)i * N * QROW / 2};
+    if (detattn_forward_start(c, 0, &io, 1, &calls[i])) _exit(13);
+  }
+  if (unmap) {
+    /* Pull the whole arena out from under the daemon's feet (its own mapping stays). */
+    uint8_t *base = (uint8_t *)q - 64;
+    munmap((void *)((uintptr_t)base & ~(uintptr_t)4095), 32u << 20);
+  }
+  if (write(fd_ready, "r", 1) != 1) _exit(14);
+  for (;;) pause();
+}
+
+START_TEST(a_client_killed_or_unmapping_mid_call_leaves_nothing_behind) {
+  /* Both clients fork before this process starts nng; each waits for its go byte. */
+  int go[2][2], ready[2][2];
+  pid_t pid[2];
+  for (int round = 0; round < 2; round++) {
+    ck_assert_int_eq(pipe(go[round]), 0);
+    ck_assert_int_eq(pipe(ready[round]), 0);
+    pid[round] = fork();
+    if (pid[round] == 0) {
+      close(go[round][1]);
+      close(ready[round][0]);
+      shm_victim(go[round][0], ready[round][1], round);
+    }
+    close(go[round][0]);
+    close(ready[round][1]);
+  }
+  detattn_client *c = connect_plane(DETATTN_PLANE_COPY);
+  for (int round = 0; round < 2; round++) {
+    ck_assert_int_eq(write(go[round][1], "g", 1), 1);
+    struct pollfd pf = {.fd = ready[round][0], .events = POLLIN};
+    char b;
+    int ok = poll(&pf, 1, 20000) == 1 && read(ready[round][0], &b, 1) == 1;
+    close(ready[round][0]);
+    close(go[round][1]);
+    detattn_stats s = stats_of(c);
+    kill(pid[round], SIGKILL);
+    int status;
+    waitpid(pid[round], &status, 0);
+    ck_assert_msg(ok, "round %d: the shm client did not start its calls (status 0x%x)", round, status);
+    ck_assert_uint_ge(s.arenas, 1);
+    for (int i = 0; i < 300; i++) {
+      s = stats_of(c);
+      if (s.arenas == 0 && s.sequences == 0 && s.kv_pages_used == 0) break;
+      da_test_sleep_ms(20);
+    }
+    ck_assert_msg(s.arenas == 0 && s.sequences == 0 && s.kv_pages_used == 0,
+                  "round %d: %u arenas, %u sequences, %u pages left", round, s.arenas, s.sequences, s.kv_pages_used);
+  }
+  /* A side connection that sends nothing is closed; the daemon serves on. */
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%.90s.arena", D.url + 6);
+  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ck_assert_int_eq(connect(s, (struct sockaddr *)&sa, sizeof sa), 0);
+  struct pollfd pf = {.fd = s, .events = POLLIN};
+  uint8_t code = 0;
+  ck_assert_msg(poll(&pf, 1, 6000) == 1 && read(s, &code, 1) == 1 && code == DETATTN_DEADLINE_EXCEEDED,
+                "a silent side connection was not closed with DEADLINE_EXCEEDED (%u)", code);
+  close(s);
+  uint64_t seq;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
+  detattn_close(c);
+}
+END_TEST
+
+START_TEST(shm_is_refused_over_tcp_and_auto_falls_back_to_copy) {
+  static const char *const args[] = {"--layers", "1", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                     "--listen", "tcp://127.0.0.1:0", NULL};
+  da_daemon_proc t;
+  ck_assert_int_eq(da_daemon_start(&t, DETATTND_PATH, args), 0);
+  FILE *f = fopen(t.log, "r");
+  char line[512], url[200] = "";
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "listening on %199s", url) == 1) break;
+  fclose(f);
+  detattn_connect_opts o;
+  detattn_connect_opts_init(&o);
+  detattn_client *c;
+  detattn_server_info info;
+  ck_assert_int_eq(detattn_connect_ex(&c, url, &o), DETATTN_OK); /* AUTO */
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_OK);
+  ck_assert_int_eq(detattn_data_plane_get(c), DETATTN_PLANE_COPY);
+  ck_assert_uint_eq(info.data_planes, 1u << DETATTN_PLANE_COPY);
+  detattn_close(c);
+  o.data_plane = DETATTN_PLANE_SHM;
+  ck_assert_int_eq(detattn_connect_ex(&c, url, &o), DETATTN_OK);
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_FAILED_PRECONDITION);
+  ck_assert_msg(strstr(detattn_errmsg(), "shared-memory") != NULL, "message: %s", detattn_errmsg());
+  detattn_close(c);
+  da_daemon_stop(&t);
+}
+END_TEST
+
+static Suite *plane_suite(void) {
+  Suite *s = suite_create("plane");
+  TCase *t = tcase_create("shm");
+  tcase_add_checked_fixture(t, setup, teardown);
+  tcase_set_timeout(t, 60);
+  tcase_add_test(t, verify_over_shm_matches_the_copy_pass_bitwise);
+  tcase_add_test(t, tensors_in_the_arena_travel_by_reference_with_the_same_bits);
+  tcase_add_test(t, bad_references_and_arenas_get_their_codes_and_write_nothing);
+  tcase_add_test(t, a_client_killed_or_unmapping_mid_call_leaves_nothing_behind);
+  tcase_add_test(t, shm_is_refused_over_tcp_and_auto_falls_back_to_copy);
+  suite_add_tcase(s, t);
+  return s;
+}
+
+int main(void) { return da_test_run(plane_suite()); }
