@@ -385,8 +385,11 @@ static int connect_all(engine *e, const da_load_cfg *cfg, da_load_result *res, c
   e->n_clients = cfg->connections ? cfg->connections : 1;
   e->clients = calloc(e->n_clients, sizeof(*e->clients));
   if (!e->clients) return DETATTN_RESOURCE_EXHAUSTED;
+  detattn_connect_opts co;
+  detattn_connect_opts_init(&co);
+  co.data_plane = (detattn_data_plane)cfg->data_plane;
   for (uint32_t i = 0; i < e->n_clients; i++) {
-    int rc = detattn_connect(&e->clients[i], cfg->url);
+    int rc = detattn_connect_ex(&e->clients[i], cfg->url, &co);
     if (rc != DETATTN_OK) {
       snprintf(msg, msglen, "connect %s: %s", cfg->url, detattn_errmsg());
       return rc;
@@ -397,6 +400,8 @@ static int connect_all(engine *e, const da_load_cfg *cfg, da_load_result *res, c
       snprintf(msg, msglen, "hello: %s: %s", detattn_status_name(rc), detattn_errmsg());
       return rc;
     }
+    int p = (int)detattn_data_plane_get(e->clients[i]);
+    res->data_plane_used = i == 0 || p == res->data_plane_used ? p : -1;
   }
   return DETATTN_OK;
 }
@@ -487,7 +492,10 @@ int da_load_replay(const da_load_cfg *cfg, const da_workload *w, const da_record
   memcpy(replay->workload, ran->workload, sizeof(replay->workload));
   detattn_client *c = NULL;
   detattn_server_info info;
-  int rc = detattn_connect(&c, cfg->url);
+  detattn_connect_opts co; /* the reference: bytes in messages */
+  detattn_connect_opts_init(&co);
+  co.data_plane = DETATTN_PLANE_COPY;
+  int rc = detattn_connect_ex(&c, cfg->url, &co);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "connect %s: %s", cfg->url, detattn_errmsg());
     return rc;

@@ -35,6 +35,7 @@ typedef struct da_load_cfg {
   double warmup_s;        /* calls scheduled before it are not in the statistics */
   uint32_t prefill_chunk; /* 0: whole prompt (capped by the daemon's max tokens) */
   uint32_t connections;   /* sequence i uses connection i % connections */
+  int data_plane;         /* detattn_data_plane of the measured connections (0: auto) */
   int timeout_ms;
   bool keep_hashes;       /* keep every output hash in the result's record (for --verify,
                              --record, --compare); else only the digest */
@@ -52,6 +53,7 @@ typedef struct da_load_result {
   /* Counted over the whole run. */
   uint64_t sequences_total, sequences_failed, forward_errors;
   uint32_t connect_retries; /* hellos answered UNAVAILABLE on new connections, retried */
+  int data_plane_used;      /* the plane the measured connections used (-1: mixed) */
   int first_error_status;
   char first_error[160];
   detattn_server_info info;

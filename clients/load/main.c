@@ -50,6 +50,7 @@ static void usage(FILE *f) {
     "  --requests N         run sequences 0 .. N-1\n"
     "  --warmup S           leave calls scheduled in the first S seconds out of the stats\n"
     "  --connections N      client connections (default 1)\n"
+    "  --data-plane P       copy|shm|cuda|auto: how tensors travel (default auto; replays copy)\n"
     "  --timeout-ms N       per-call timeout (default 60000)\n"
     "checks and output:\n"
     "  --verify             afterwards replay every sequence alone and compare bits\n"
@@ -127,7 +128,7 @@ bad:
 
 enum { O_SEED = 256, O_PROMPT, O_OUTPUT, O_TRACE, O_CHUNK, O_CONC, O_RATE, O_BURST, O_INFLIGHT,
        O_DURATION, O_REQUESTS, O_WARMUP, O_CONNS, O_TIMEOUT, O_VERIFY, O_RECORD, O_COMPARE,
-       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP, O_REMOTE };
+       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP, O_REMOTE, O_PLANE };
 
 static const struct option long_opts[] = {
     {"url", required_argument, 0, O_URL},           {"seed", required_argument, 0, O_SEED},
@@ -142,6 +143,7 @@ static const struct option long_opts[] = {
     {"json", required_argument, 0, O_JSON},         {"sweep", required_argument, 0, O_SWEEP},
     {"sweep-out", required_argument, 0, O_SWEEP_OUT}, {"quiet", no_argument, 0, O_QUIET},
     {"help", no_argument, 0, O_HELP},               {"allow-remote", no_argument, 0, O_REMOTE},
+    {"data-plane", required_argument, 0, O_PLANE},
     {0, 0, 0, 0}};
 
 static int parse_args(options *o, int argc, char **argv) {
@@ -209,6 +211,18 @@ static int parse_args(options *o, int argc, char **argv) {
     case O_SWEEP_OUT: o->sweep_out = optarg; break;
     case O_QUIET: o->quiet = true; break;
     case O_REMOTE: o->allow_remote = true; break;
+    case O_PLANE: {
+      static const char *const names[] = {"auto", "copy", "shm", "cuda"};
+      int found = -1;
+      for (int i = 0; i < 4; i++)
+        if (strcmp(optarg, names[i]) == 0) found = i;
+      if (found < 0) {
+        fprintf(stderr, "detattn-load: --data-plane %s is not copy, shm, cuda or auto\n", optarg);
+        return -1;
+      }
+      o->cfg.data_plane = found;
+      break;
+    }
     case 'h':
     case O_HELP: usage(stdout); exit(0);
     default: usage(stderr); return -1;

@@ -172,6 +172,8 @@ int da_report_json(const char *path, const da_load_cfg *cfg, const da_workload *
   hex(fp, res->info.fingerprint);
   cJSON_AddStringToObject(root, "fingerprint", fp);
   cJSON_AddStringToObject(root, "numerics", res->record.numerics);
+  cJSON_AddStringToObject(root, "data_plane", res->data_plane_used < 0 ? "mixed"
+                                              : detattn_data_plane_name((detattn_data_plane)res->data_plane_used));
   hex(fp, res->digest);
   cJSON_AddStringToObject(root, "output_digest", fp);
   cJSON_AddNumberToObject(root, "sequences", (double)res->sequences);
