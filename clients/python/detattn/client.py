@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from .errors import DetattnError, check, error
+from .errors import Cancelled, DetattnError, InvalidArgument, check, error
 
 try:  # optional
     import torch
@@ -121,7 +121,7 @@ class _Tensor:
             if tuple(t.shape) != shape and t.numel() == int(np.prod(shape)):
                 t = t.reshape(shape)
             if tuple(t.shape) != shape:
-                raise DetattnError(3, f"{what} has shape {tuple(x.shape)}, expected {shape}", "forward")
+                raise InvalidArgument(3, f"{what} has shape {tuple(x.shape)}, expected {shape}", "forward")
             self.keep = t
             self.ptr = t.data_ptr()
             self.kind = "torch"
@@ -131,14 +131,14 @@ class _Tensor:
             a = to_bf16(a) if dtype == "bf16" else a.astype(np.float16)
         want = np.uint16 if dtype == "bf16" else np.float16
         if a.dtype != want and not (dtype == "bf16" and a.dtype == np.int16):
-            raise DetattnError(3, f"{what} is {a.dtype}; a {dtype} daemon takes "
+            raise InvalidArgument(3, f"{what} is {a.dtype}; a {dtype} daemon takes "
                                f"{'uint16 (bf16 bits) or float32' if dtype == 'bf16' else 'float16 or float32'}",
                                "forward")
         a = np.ascontiguousarray(a)
         if a.shape != shape and a.size == int(np.prod(shape)):
             a = a.reshape(shape)
         if a.shape != shape:
-            raise DetattnError(3, f"{what} has shape {a.shape}, expected {shape}", "forward")
+            raise InvalidArgument(3, f"{what} has shape {a.shape}, expected {shape}", "forward")
         self.keep = a
         self.ptr = a.ctypes.data
         self.kind = "numpy"
@@ -281,7 +281,7 @@ class Client:
 
     def _handle(self):
         if not self._c:
-            raise DetattnError(1, "the client is closed", "client")
+            raise Cancelled(1, "the client is closed", "client")
         return self._c
 
     # ---- information ----
@@ -325,7 +325,7 @@ class Client:
     # ---- forward ----
     def _prepare(self, layer: int, items: Seq[SeqIO], want_lse: bool):
         if not items:
-            raise DetattnError(3, "no sequences", "forward")
+            raise InvalidArgument(3, "no sequences", "forward")
         m = self.info.model
         ios = (_lib.SeqIO * len(items))()
         keep, outs = [], []

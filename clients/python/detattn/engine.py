@@ -59,14 +59,19 @@ class Engine:
         self.running.append(r)
         return r
 
-    def fork(self, r: Request, seed: int) -> Request:
-        """A new request continuing from r's tokens so far (shares its KV pages)."""
-        f = Request(prompt=list(r.prompt), max_new=r.max_new, temperature=r.temperature, seed=seed,
-                    prefill_chunk=r.prefill_chunk)
+    def fork(self, r: Request, seed: Optional[int] = None) -> Request:
+        """A new request continuing from r's tokens so far (shares its KV pages): parallel
+        sampling with its own seed, or (seed None) r's sampler state, giving r's tokens."""
+        f = Request(prompt=list(r.prompt), max_new=r.max_new, temperature=r.temperature,
+                    seed=r.seed if seed is None else seed, prefill_chunk=r.prefill_chunk)
         f.seq = self.attn.fork(r.seq)
         f.done_prompt, f.out, f.pending = r.done_prompt, list(r.out), r.pending
         if f.temperature > 0:
-            f.gen = torch.Generator().manual_seed(seed)
+            f.gen = torch.Generator()
+            if seed is None:
+                f.gen.set_state(r.gen.get_state())
+            else:
+                f.gen.manual_seed(seed)
         self.running.append(f)
         return f
 
