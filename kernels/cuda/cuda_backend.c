@@ -196,7 +196,15 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
   c->acc_bytes = (size_t)slots * (size_t)(m->head_dim + 1) * 4;
-  c->stage_bytes = cfg->staging_bytes > 0 ? cfg->staging_bytes : DEFAULT_STAGING;
+  /* Per token: q in and o out (worst case), k and v in, page ids, lse. */
+  size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
+  c->stage_bytes = cfg->staging_bytes;
+  if (c->stage_bytes == 0) {
+    /* Derived: input and output halves for the daemon's batch budget. */
+    c->stage_bytes = DEFAULT_STAGING;
+    if (cfg->max_batch_tokens > 0 && 2 * per_tok * (size_t)cfg->max_batch_tokens > c->stage_bytes)
+      c->stage_bytes = 2 * per_tok * (size_t)cfg->max_batch_tokens;
+  }
   c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
 
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), fail);
@@ -236,8 +244,6 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   info->kv_bytes = c->kv_bytes;
   info->acc_bytes = c->acc_bytes;
   info->staging_bytes = 4 * c->stage_bytes;
-  /* Per token: q in and o out (worst case), k and v in, page ids, lse. */
-  size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
   info->max_batch_tokens = (int)((c->stage_bytes / 2) / per_tok);
   c->args.n_layers = m->n_layers;
   *out = c;
