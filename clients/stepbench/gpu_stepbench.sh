@@ -27,7 +27,6 @@ echo "plane,B,L,call_p50_us,call_p99_us,step_p50_ms,prefill_tok_s" > "$OUT/stepb
 for B in 1 8 64; do
   for L in 1024 4096 16384; do
     for plane in copy shm; do
-      arena=$(( (B * 2048 * 12288 * 2 + (256 << 20)) ))
       timeout 240 "$build/bin/detattn-step-bench" --url "ipc://$dir/d.sock" --batch $B --context $L --steps 30 \
         --warmup 5 --prefill-chunk 2048 --data-plane $plane --json "$OUT/sb-$plane-$B-$L.json" > /dev/null 2>> "$OUT/stepbench.err" ||
         { echo "# $plane B $B L $L failed" >> "$OUT/stepbench.csv"; continue; }
