@@ -15,7 +15,7 @@ cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 cmake --build build-gpu --target detattnd detattn -j16 > "$OUT/build.log" 2>&1
 dir=$(mktemp -d)
 build-gpu/bin/detattnd --listen "ipc://$dir/d.sock" --backend cuda --layers 2 --q-heads 4 --kv-heads 2 \
-  --head-dim 64 --dtype bf16 --kv-tokens 262144 --split-tokens 64 --tile-tokens 16 2> "$OUT/detattnd.log" &
+  --head-dim 64 --dtype bf16 --kv-tokens 262144 --split-tokens 256 2> "$OUT/detattnd.log" &
 pid=$!
 trap 'kill $pid 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 200); do grep -q "listening on" "$OUT/detattnd.log" && break; sleep 0.1; done
