@@ -21,4 +21,4 @@ trap 'kill $pid 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 200); do grep -q "listening on" "$OUT/detattnd.log" && break; sleep 0.1; done
 export DETATTN_LIBRARY=$PWD/build-gpu/lib/libdetattn.so PYTHONPATH=$PWD/clients/python
 python3 -m detattn.repro --url "ipc://$dir/d.sock" --model tiny --samples "$n" --torch-device cuda \
-  --json "$OUT/repro.json" --plot "$OUT/repro.png" | tee "$OUT/repro.md"
+  --time-limit "${REPRO_SECONDS:-240}" --json "$OUT/repro.json" --plot "$OUT/repro.png" | tee "$OUT/repro.md"

@@ -87,11 +87,15 @@ def first_divergence(completions: List[List[int]]) -> Optional[int]:
 def run_path(name, model, attn, cfg, prompt, args) -> dict:
     completions, t0, tokens = [], time.perf_counter(), 0
     for i in range(args.samples):
+        if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+            print(f"{name}: time limit after {i} samples", file=sys.stderr)
+            break
         out = one_sample(model, attn, cfg, prompt, args.max_new, args.seed * 1000003 + i, [0, 8, 16, 32, 64])
         completions.append(out)
         tokens += len(out)
-        if args.verbose:
-            print(f"{name} sample {i}: {out[:8]}...", file=sys.stderr)
+        if args.verbose or (i + 1) % 50 == 0:
+            print(f"{name}: {i + 1} samples, {len({tuple(c) for c in completions})} distinct, "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     secs = time.perf_counter() - t0
     distinct = {tuple(c) for c in completions}
     return {"distinct_completions": len(distinct), "first_divergence": first_divergence(completions),
@@ -193,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the result as JSON")
     ap.add_argument("--plot", help="write a PNG plot")
     ap.add_argument("--no-processes", action="store_true", help="skip the two-process check")
+    ap.add_argument("--time-limit", type=float, default=0, help="stop sampling a path after this many seconds")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--child", type=int, default=-1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -206,7 +211,7 @@ def main(argv=None) -> int:
         model.load_safetensors(args.weights)
     prompt = target_prompt(cfg, args.seed, args.prompt_len)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    result = {"model": args.model, "samples": args.samples, "max_new": args.max_new, "prompt_len": args.prompt_len,
+    result = {"model": args.model, "samples_asked": args.samples, "max_new": args.max_new, "prompt_len": args.prompt_len,
               "seed": args.seed, "paths": {}, "distinct_completions": {}}
     daemon = None
     try:
@@ -258,6 +263,7 @@ def main(argv=None) -> int:
             daemon.close()
     for p, r in result["paths"].items():
         result["distinct_completions"][p] = r["distinct_completions"]
+    result["samples"] = min((r["samples"] for r in result["paths"].values()), default=0)
     print("| attention path | samples | distinct completions | first diverging token | ms per token | checks |")
     print("|---|--:|--:|--:|--:|---|")
     for p, r in result["paths"].items():
