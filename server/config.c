@@ -71,6 +71,13 @@ static const setting table[] = {
      "most connections from one peer (an ipc peer process, a tcp peer address)"},
     {"max-inflight-per-conn", T_INT, F(max_inflight_per_conn), 1, 1 << 20, NULL, "32",
      "most requests one connection may have in the daemon; more are answered RESOURCE_EXHAUSTED"},
+    {"client-max-seqs", T_INT, F(client_max_seqs), 0, 1 << 20, NULL, "0",
+     "quota: sequences one client (a peer process or address, all its connections) may hold; 0: max-seqs "
+     "less an eighth"},
+    {"client-max-kv-tokens", T_I64, F(client_max_kv_tokens), 0, 1LL << 40, NULL, "0",
+     "quota: KV cache tokens one client's sequences may hold (pages x page-tokens); 0: the cache less an eighth"},
+    {"client-max-inflight-tokens", T_I64, F(client_max_inflight_tokens), 0, 1LL << 40, NULL, "0",
+     "quota: Forward tokens one client may have admitted and unanswered; 0: 4 x max-batch-tokens"},
     {"max-reply-bytes", T_I64, F(max_reply_bytes), 65536, 1LL << 40, NULL, "268435456",
      "most reply bytes queued for one connection that is not reading them; past it the connection is dropped"},
     {"send-timeout-ms", T_INT, F(send_timeout_ms), 10, 1 << 30, NULL, "5000",

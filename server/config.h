@@ -43,6 +43,8 @@ typedef struct da_config {
   int threads, contexts, acc_slots, staging_mib, device;
   /* connections and shutdown */
   int max_connections, max_conn_per_peer, max_inflight_per_conn;
+  int client_max_seqs;
+  int64_t client_max_kv_tokens, client_max_inflight_tokens;
   int send_timeout_ms, idle_timeout_ms, drain_timeout_ms;
   int64_t max_reply_bytes; /* replies queued on one connection */
   int64_t max_arena_bytes;

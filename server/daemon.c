@@ -42,12 +42,33 @@ static client *client_find(da_daemon *d, uint32_t id) {
   return NULL;
 }
 
+static tenant *tenant_get(da_daemon *d, uint64_t principal) {
+  tenant **pp = &d->tenants[principal % N_BUCKETS];
+  for (tenant *t = *pp; t; t = t->next)
+    if (t->principal == principal) return t;
+  tenant *t = calloc(1, sizeof(*t));
+  if (t == NULL) return NULL;
+  t->principal = principal;
+  t->next = *pp;
+  *pp = t;
+  return t;
+}
+
+static void tenant_put(da_daemon *d, tenant *t) {
+  if (t == NULL || --t->n_conns > 0) return;
+  tenant **pp = &d->tenants[t->principal % N_BUCKETS];
+  while (*pp != t) pp = &(*pp)->next;
+  *pp = t->next;
+  free(t);
+}
+
 void da_daemon_client_maybe_free(da_daemon *d, client *c) {
   if (!c->dead || c->n_seqs > 0 || c->n_reqs > 0 || c->q.linked || c->q.head) return;
   client **pp = &d->buckets[c->id % N_BUCKETS];
   while (*pp != c) pp = &(*pp)->hnext;
   *pp = c->hnext;
   d->n_clients--;
+  tenant_put(d, c->t);
   free(c);
 }
 
@@ -64,6 +85,7 @@ void da_daemon_seq_release(da_daemon *d, seq_slot *s) {
   int rv = da_kvcache_close(d->kv, h);
   if (rv != 0) da_log_error("closing KV sequence %u: %s", h, da_kvcache_errmsg(d->kv));
   client *c = s->owner;
+  c->t->n_seqs--;
   if (s->oprev) s->oprev->onext = s->onext;
   else c->seqs = s->onext;
   if (s->onext) s->onext->oprev = s->oprev;
@@ -92,6 +114,7 @@ int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire) {
   if (c->seqs) c->seqs->oprev = s;
   c->seqs = s;
   c->n_seqs++;
+  c->t->n_seqs++;
   *wire = s->wire;
   return 0;
 }
@@ -110,6 +133,12 @@ static client *client_add(da_daemon *d, uint32_t id, const da_peer *peer) {
     snprintf(c->peer.name, sizeof(c->peer.name), "pipe %u", id);
   }
   c->last_ns = da_now_ns();
+  if ((c->t = tenant_get(d, c->peer.principal)) == NULL) {
+    da_log_error("out of memory for client %u", id);
+    free(c);
+    return NULL;
+  }
+  c->t->n_conns++;
   if (c->peer.has_creds) {
     uint32_t u = c->peer.uid;
     c->stats_all = u == 0 || u == d->self_uid;
@@ -628,6 +657,14 @@ static int start(da_daemon *d) {
     return rv;
   }
   d->max_seqs = c->max_seqs;
+  int64_t kv_cap = (int64_t)d->info->n_pages * c->page_tokens;
+  d->quota_seqs = c->client_max_seqs > 0 ? c->client_max_seqs : c->max_seqs - c->max_seqs / 8;
+  d->quota_kv_tokens = c->client_max_kv_tokens > 0 ? c->client_max_kv_tokens : kv_cap - kv_cap / 8;
+  d->quota_inflight_tokens =
+      c->client_max_inflight_tokens > 0 ? c->client_max_inflight_tokens : 4 * (int64_t)c->max_batch_tokens;
+  if (d->quota_seqs < 1) d->quota_seqs = 1;
+  da_log_info("quotas per client: %lld sequences, %lld KV tokens, %lld tokens in flight", (long long)d->quota_seqs,
+              (long long)d->quota_kv_tokens, (long long)d->quota_inflight_tokens);
   d->seqs = calloc((size_t)d->max_seqs, sizeof(*d->seqs));
   if (d->seqs == NULL) return DETATTN_RESOURCE_EXHAUSTED;
   int budget = c->max_batch_tokens;
@@ -748,6 +785,12 @@ static void cleanup(da_daemon *d) {
         da_ops_request_free(d, r);
       }
       free(c);
+    }
+  for (int i = 0; i < N_BUCKETS; i++)
+    while (d->tenants[i]) {
+      tenant *t = d->tenants[i];
+      d->tenants[i] = t->next;
+      free(t);
     }
   free(d->seqs);
   da_kvcache_free(d->kv);

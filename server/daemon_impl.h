@@ -32,9 +32,20 @@
 typedef struct request request;
 typedef struct seq_slot seq_slot;
 
+/* A client in the quota sense: every connection of one peer process (ipc) or address (tcp)
+ * (da_peer.principal). Quotas count here, so opening more connections buys nothing. */
+typedef struct tenant {
+  uint64_t principal;
+  int n_conns;             /* connections (client structs) that refer to it */
+  int n_seqs;              /* sequences open */
+  int64_t inflight_tokens; /* Forward tokens admitted and not yet answered */
+  struct tenant *next;     /* hash chain */
+} tenant;
+
 typedef struct client {
   uint32_t id;
   da_peer peer; /* who connected: credentials and the principal (transport.h) */
+  tenant *t;    /* quotas */
   int dead;
   int stats_all; /* may see every client's numbers in Stats */
   int n_seqs;    /* sequences it owns, listed from seqs */
@@ -67,6 +78,7 @@ struct request {
   int status;
   char err[256];
   int n_items, items_left;
+  int64_t quota_tokens; /* counted in its tenant's inflight_tokens until freed */
   da_sched_item *items;
   uint32_t *holds; /* arenas held for this request's tensors (plane.h), one entry a hold */
   int n_holds;
@@ -97,7 +109,9 @@ typedef struct da_daemon {
   int n_running;               /* batches in the worker */
   uint64_t batch_counter;
   client *buckets[N_BUCKETS];
+  tenant *tenants[N_BUCKETS];
   int n_clients;
+  int64_t quota_seqs, quota_kv_tokens, quota_inflight_tokens; /* per tenant, resolved at start */
   uint32_t gone[N_GONE]; /* recently disconnected pipe ids; see on_request */
   uint64_t n_gone;
   client *drain_list;

@@ -20,6 +20,7 @@
 
 void da_ops_request_free(da_daemon *d, request *r) {
   client *c = r->cl;
+  if (c && r->quota_tokens) c->t->inflight_tokens -= r->quota_tokens;
   for (int i = 0; i < r->n_holds; i++) da_planes_release(d->planes, c ? c->id : 0, r->holds[i]);
   free(r->holds);
   da_wire_request_fini(&r->w);
@@ -156,7 +157,63 @@ static int reply_new_seq(da_daemon *d, request *r, uint32_t h) {
   return 1;
 }
 
+/* Quota: the sequences of r's client (all connections of its peer). 1 when refused. */
+static int over_seq_quota(da_daemon *d, request *r) {
+  if (r->cl->t->n_seqs < d->quota_seqs) return 0;
+  char msg[200];
+  snprintf(msg, sizeof msg, "this client holds %d sequences, its quota (--client-max-seqs %lld)", r->cl->t->n_seqs,
+           (long long)d->quota_seqs);
+  da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, msg);
+  return 1;
+}
+
+/* KV pages held by the sequences of every connection of tenant t (pages shared by forks
+ * count once per sequence). */
+static int64_t tenant_pages(da_daemon *d, const tenant *t) {
+  int64_t n = 0;
+  for (int b = 0; b < N_BUCKETS; b++)
+    for (const client *c = d->buckets[b]; c; c = c->hnext)
+      if (c->t == t)
+        for (const seq_slot *q = c->seqs; q; q = q->onext) {
+          int np = 0;
+          da_kvcache_pages(d->kv, (uint32_t)(q - d->seqs), &np);
+          n += np;
+        }
+  return n;
+}
+
+/* Quotas of a Forward: KV tokens its client would hold, tokens it would have in flight. */
+static int over_forward_quota(da_daemon *d, request *r) {
+  tenant *t = r->cl->t;
+  char msg[240];
+  const da_wire_request *w = &r->w;
+  if (t->inflight_tokens + w->n_tokens > d->quota_inflight_tokens) {
+    snprintf(msg, sizeof msg, "this client has %lld tokens in flight and this forward adds %d, over its quota "
+             "(--client-max-inflight-tokens %lld)", (long long)t->inflight_tokens, w->n_tokens,
+             (long long)d->quota_inflight_tokens);
+    da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, msg);
+    return 1;
+  }
+  /* A quota of the whole cache is the pool's own check, with its own message. */
+  if (d->quota_kv_tokens >= (int64_t)da_kvcache_pages_total(d->kv) * d->cfg->page_tokens) return 0;
+  int64_t need = 0;
+  for (int i = 0; i < w->n_seqs; i++) {
+    seq_slot *slot = da_daemon_seq_find(d, r->cl, w->seqs[i].seq);
+    if (slot == NULL) continue; /* answered NOT_FOUND by admission */
+    int c = da_kvcache_append_cost(d->kv, (uint32_t)(slot - d->seqs), w->layer, w->seqs[i].pos, w->seqs[i].n_tokens);
+    if (c > 0) need += c;
+  }
+  if (need == 0) return 0;
+  int64_t held = tenant_pages(d, t) * d->cfg->page_tokens, add = need * d->cfg->page_tokens;
+  if (held + add <= d->quota_kv_tokens) return 0;
+  snprintf(msg, sizeof msg, "this client holds %lld KV tokens and this forward needs %lld more, over its quota "
+           "(--client-max-kv-tokens %lld)", (long long)held, (long long)add, (long long)d->quota_kv_tokens);
+  da_ops_reply_error(d, r, DETATTN_RESOURCE_EXHAUSTED, msg);
+  return 1;
+}
+
 static int op_seq_open(da_daemon *d, request *r) {
+  if (over_seq_quota(d, r)) return 1;
   uint32_t h;
   int rv = da_kvcache_open(d->kv, &h);
   if (rv != 0) {
@@ -178,6 +235,7 @@ static int op_seq_fork(da_daemon *d, request *r) {
   seq_slot *src = da_daemon_seq_find(d, r->cl, r->w.seq);
   if (src == NULL) return not_found(d, r, r->w.seq, "seq_fork.src");
   if (src->pending > 0) return 0;
+  if (over_seq_quota(d, r)) return 1;
   uint32_t h;
   int rv = da_kvcache_fork(d->kv, (uint32_t)(src - d->seqs), &h);
   if (rv != 0) {
@@ -279,12 +337,15 @@ static int op_forward(da_daemon *d, request *r) {
     it->lse = lse;
     it->user = r;
   }
+  if (over_forward_quota(d, r)) return 1;
   char err[256];
   int rv = da_sched_admit(d->sched, &r->cl->q, r->items, w->n_seqs, da_now_ns(), err, sizeof(err));
   if (rv != 0) {
     da_ops_reply_error(d, r, rv, err);
     return 1;
   }
+  r->quota_tokens = w->n_tokens;
+  r->cl->t->inflight_tokens += w->n_tokens;
   for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
   r->n_items = r->items_left = w->n_seqs;
   return 1;

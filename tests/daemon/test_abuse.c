@@ -974,6 +974,82 @@ START_TEST(decode_is_not_starved_by_a_prefill_flood) {
 }
 END_TEST
 
+
+/* ---- issue 13: per-client quotas ---- */
+
+static void setup_quota(void) {
+  static const char *const args[] = {"--layers", "1", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                     "--kv-tokens", "4096", "--split-tokens", "64", "--tile-tokens", "16",
+                                     "--client-max-seqs", "12", "--client-max-inflight-tokens", "600", NULL};
+  start_daemon(args);
+}
+
+START_TEST(one_client_cannot_take_every_page_or_sequence) {
+  int up[2], down[2];
+  ck_assert_int_eq(pipe(up), 0);
+  ck_assert_int_eq(pipe(down), 0);
+  pid_t pid = fork();
+  if (pid == 0) { /* the hog: another process, so another client */
+    close(up[0]);
+    close(down[1]);
+    detattn_client *c;
+    detattn_server_info info;
+    if (detattn_connect(&c, D.url) || detattn_hello(c, &info)) _exit(10);
+    static uint16_t q[400 * 256], kv[400 * 128], o[400 * 256];
+    for (size_t i = 0; i < sizeof q / 2; i++) q[i] = (uint16_t)(0x3c00 + i % 101);
+    for (size_t i = 0; i < sizeof kv / 2; i++) kv[i] = (uint16_t)(0x3800 + i % 97);
+    int st = DETATTN_OK, opened = 0;
+    while (st == DETATTN_OK && opened < 20) {
+      uint64_t seq;
+      st = detattn_seq_open(c, &seq);
+      if (st != DETATTN_OK) break;
+      opened++;
+      detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = 400, .q = q, .k = kv, .v = kv, .o = o};
+      st = detattn_forward(c, 0, &io, 1);
+    }
+    char msg[300];
+    snprintf(msg, sizeof msg, "%d %d %s", st, opened, detattn_errmsg());
+    if (write(up[1], msg, strlen(msg) + 1) < 0) _exit(11);
+    char b;
+    if (read(down[0], &b, 1) < 0) _exit(12); /* hold everything until told */
+    _exit(0);
+  }
+  close(up[1]);
+  close(down[0]);
+  char msg[300] = "";
+  ck_assert_int_gt(read(up[0], msg, sizeof msg - 1), 0);
+  int st = -1, opened = 0;
+  sscanf(msg, "%d %d", &st, &opened);
+  fprintf(stderr, "quota: the hog stopped after %d sequences: %s\n", opened, msg);
+  ck_assert_msg(st == DETATTN_RESOURCE_EXHAUSTED && strstr(msg, "--client-max-kv-tokens"),
+                "the hog was not stopped by its KV quota: %s", msg);
+  /* Another client still gets its short prompt in. */
+  detattn_client *c = connect_ok(D.url);
+  uint64_t seqs[12];
+  ck_assert_int_eq(detattn_seq_open(c, &seqs[0]), DETATTN_OK);
+  uint16_t q[16 * 256], kv[16 * 128], o[16 * 256];
+  for (int i = 0; i < 16 * 256; i++) q[i] = (uint16_t)(0x3c00 + i % 89);
+  for (int i = 0; i < 16 * 128; i++) kv[i] = (uint16_t)(0x3800 + i % 83);
+  detattn_seq_io io = {.seq = seqs[0], .pos = 0, .n_tokens = 16, .q = q, .k = kv, .v = kv, .o = o};
+  int fst = detattn_forward(c, 0, &io, 1);
+  ck_assert_msg(fst == DETATTN_OK, "a second client's 16-token prompt: %s: %s", detattn_status_name(fst),
+                detattn_errmsg());
+  /* Its own sequence quota: 12. */
+  for (int i = 1; i < 12; i++) ck_assert_int_eq(detattn_seq_open(c, &seqs[i]), DETATTN_OK);
+  uint64_t extra;
+  ck_assert_int_eq(detattn_seq_open(c, &extra), DETATTN_RESOURCE_EXHAUSTED);
+  ck_assert_msg(strstr(detattn_errmsg(), "--client-max-seqs") != NULL, "%s", detattn_errmsg());
+  /* Tokens in flight: 600 at most. */
+  static uint16_t bq[700 * 256], bkv[700 * 128], bo[700 * 256];
+  detattn_seq_io big = {.seq = seqs[1], .pos = 0, .n_tokens = 700, .q = bq, .k = bkv, .v = bkv, .o = bo};
+  ck_assert_int_eq(detattn_forward(c, 0, &big, 1), DETATTN_RESOURCE_EXHAUSTED);
+  ck_assert_msg(strstr(detattn_errmsg(), "--client-max-inflight-tokens") != NULL, "%s", detattn_errmsg());
+  ck_assert_int_eq(write(down[1], "x", 1), 1);
+  waitpid(pid, NULL, 0);
+  detattn_close(c);
+}
+END_TEST
+
 static Suite *abuse_suite(void) {
   const struct {
     const char *name;
@@ -993,6 +1069,7 @@ static Suite *abuse_suite(void) {
       {"tcp_port", setup_tcp, the_log_names_the_bound_tcp_port, 30},
       {"killed_clients", setup_killed, many_killed_clients_leave_nothing_behind, 120},
       {"decode_flood", setup_flood, decode_is_not_starved_by_a_prefill_flood, 120},
+      {"quotas", setup_quota, one_client_cannot_take_every_page_or_sequence, 60},
   };
   Suite *s = suite_create("abuse");
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

@@ -60,7 +60,8 @@ static void start_daemon(void) {
           "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64", "--page-tokens", "16", "--kv-tokens", kvt,
           "--split-tokens", "64", "--tile-tokens", "16", "--max-request-tokens", mr, "--max-batch-tokens",
           "256", "--max-message-bytes", mm, "--max-seqs", "8", "--contexts", "8", "--log-level", "debug",
-          (char *)NULL);
+          /* one client may use the whole pool: these tests exhaust the pool, not a quota */
+          "--client-max-kv-tokens", kvt, "--client-max-seqs", "8", (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 200; i++) {
