@@ -509,7 +509,7 @@ static void close_handles(da_daemon *d) {
                        (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
                        (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
                        (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
-                       (uv_handle_t *)&d->watchdog_timer};
+                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer};
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
     if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
 }
@@ -526,6 +526,11 @@ static void on_idle_timer(uv_timer_t *t) {
         c->last_ns = now; /* one drop per period; its DISCONNECT follows */
         da_transport_drop(d->tr, c->id, "idle with no sequence (--idle-timeout-ms)");
       }
+}
+
+static void on_listen_timer(uv_timer_t *t) {
+  da_daemon *d = t->data;
+  da_transport_check_listener(d->tr);
 }
 
 static void on_watchdog_timer(uv_timer_t *t) {
@@ -696,7 +701,7 @@ static int start(da_daemon *d) {
                        (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
                        (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
                        (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
-                       (uv_handle_t *)&d->watchdog_timer};
+                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer};
   uv_async_init(&d->loop, &d->ev_async, on_events);
   uv_async_init(&d->loop, &d->done_async, on_batch_done);
   uv_signal_init(&d->loop, &d->sigterm);
@@ -706,6 +711,7 @@ static int start(da_daemon *d) {
   uv_timer_init(&d->loop, &d->drain_timer);
   uv_timer_init(&d->loop, &d->idle_timer);
   uv_timer_init(&d->loop, &d->watchdog_timer);
+  uv_timer_init(&d->loop, &d->listen_timer);
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) hs[i]->data = d;
   d->n_handles = (int)(sizeof(hs) / sizeof(hs[0]));
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
@@ -753,6 +759,7 @@ static int start(da_daemon *d) {
     uint64_t every = (uint64_t)c->idle_timeout_ms / 4 + 1;
     uv_timer_start(&d->idle_timer, on_idle_timer, every, every);
   }
+  if (strncmp(c->listen, "ipc://", 6) == 0) uv_timer_start(&d->listen_timer, on_listen_timer, 1000, 1000);
   uint64_t wd_us = 0;
   if (sd_watchdog_enabled(0, &wd_us) > 0 && wd_us > 0)
     uv_timer_start(&d->watchdog_timer, on_watchdog_timer, wd_us / 2000 + 1, wd_us / 2000 + 1);

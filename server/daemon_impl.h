@@ -95,7 +95,7 @@ typedef struct da_daemon {
   uv_loop_t loop;
   uv_async_t ev_async, done_async;
   uv_signal_t sigterm, sigint;
-  uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer;
+  uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer, listen_timer;
   int n_handles; /* open uv handles */
   da_backend *be;
   const da_backend_info *info;

@@ -10,7 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -35,6 +37,7 @@ struct da_tctx {
 /* An admitted connection. Its CONNECT and DISCONNECT events are allocated at admission. */
 typedef struct tpipe {
   uint32_t id;
+  uint32_t listener; /* nng listener id: a retired listener closes with its last connection */
   uint64_t principal;
   size_t queued; /* reply bytes handed to nng and not yet sent */
   int dropping;
@@ -79,6 +82,12 @@ struct da_transport {
   int sending;
   int closing;
   int refusing; /* new connections are refused (draining) */
+  /* The listener check (ipc): see da_transport_check_listener. */
+  int ipc_mode;
+  int probe_fd, probe_ticks, probe_seen; /* probe_seen under mu */
+  int generation;
+  nng_listener retired[64]; /* replaced listeners, open while they have connections */
+  int n_retired;
 };
 
 static void append(da_transport *t, da_event *ev) {
@@ -202,6 +211,13 @@ static void on_add_pre(da_transport *t, nng_pipe p) {
   const char *why = NULL;
   char buf[160];
   pthread_mutex_lock(&t->mu);
+  if (t->probe_fd >= 0 && peer.has_creds && peer.pid == (int32_t)getpid()) {
+    /* Our own listener check came through: the listener takes connections. */
+    t->probe_seen = 1;
+    pthread_mutex_unlock(&t->mu);
+    nng_pipe_close(p);
+    return;
+  }
   if (t->closing || t->refusing) {
     why = "the daemon is shutting down";
   } else if (t->max_connections > 0 && t->counts.open >= t->max_connections) {
@@ -234,6 +250,7 @@ static void on_add_pre(da_transport *t, nng_pipe p) {
       why = "out of memory";
     } else {
       x->id = (uint32_t)nng_pipe_id(p);
+      x->listener = (uint32_t)nng_listener_id(nng_pipe_listener(p));
       x->principal = peer.principal;
       a->kind = DA_EV_CONNECT;
       a->client = x->id;
@@ -582,6 +599,119 @@ static void resolve_url(da_transport *t, nng_listener l, const char *url) {
   snprintf(t->url, sizeof(t->url), "%.*s:%d", (int)(n - 2), url, port);
 }
 
+/* ---- the listener check (ipc) ----
+ *
+ * A second line of defence behind nng_epipe.c. libnng 1.5.2 (Debian 12) ends an ipc
+ * listener's accept loop for good when the daemon's half
+ * of the SP handshake fails with EPIPE: one client that connects and hangs up before the
+ * daemon has written its 8 bytes, and from then on every new connection is accepted by the
+ * kernel and never served (upstream fixed it in 1.6.0: the error is no longer NNG_ECLOSED).
+ * Connections already open keep working. So every listener binds <path>.r<N> and is renamed
+ * over <path>, and every second the loop calls da_transport_check_listener: it connects to
+ * the path, sends the handshake, and expects its own connection at ADD_PRE (refused there)
+ * by the next call; when it has not come after two, a fresh listener is renamed over the
+ * path. The old one keeps its connections and is closed with the last of them. */
+
+static int listen_at(da_transport *t, nng_listener *l, const char *url, char *err, size_t errlen) {
+  int rv = nng_listener_create(l, t->sock, url);
+  if (rv == 0 && t->ipc_path[0] && t->ipc_mode > 0) rv = nng_listener_set_int(*l, NNG_OPT_IPC_PERMISSIONS, t->ipc_mode);
+  if (rv == 0) rv = nng_listener_start(*l, 0);
+  if (rv != 0) {
+    snprintf(err, errlen, "cannot listen on %.200s: %s", url, nng_strerror(rv));
+    nng_listener_close(*l);
+  }
+  return rv;
+}
+
+/* Binds a listener at <path>.r<N> and renames it over <path>. */
+static int listen_ipc(da_transport *t, nng_listener *l, char *err, size_t errlen) {
+  char tmp[640], url[660];
+  snprintf(tmp, sizeof tmp, "%s.r%d", t->ipc_path, t->generation++);
+  snprintf(url, sizeof url, "ipc://%s", tmp);
+  unlink(tmp);
+  int rv = listen_at(t, l, url, err, errlen);
+  if (rv != 0) return rv;
+  if (rename(tmp, t->ipc_path) != 0) {
+    snprintf(err, errlen, "cannot listen on %.200s: rename from %.200s: %s", t->ipc_path, tmp, strerror(errno));
+    nng_listener_close(*l);
+    return NNG_EINVAL;
+  }
+  return 0;
+}
+
+static void replace_listener(da_transport *t) {
+  char err[512];
+  if (t->n_retired == (int)(sizeof t->retired / sizeof t->retired[0])) {
+    da_log_error("the ipc listener stopped taking new connections; %d replaced ones still have connections: "
+                 "not replacing it", t->n_retired);
+    return;
+  }
+  nng_listener l;
+  if (listen_ipc(t, &l, err, sizeof err) != 0) {
+    da_log_error("the ipc listener stopped taking new connections and a new one failed: %s", err);
+    return;
+  }
+  pthread_mutex_lock(&t->mu);
+  t->retired[t->n_retired++] = t->listener;
+  t->listener = l;
+  t->counts.listener_replaced++;
+  pthread_mutex_unlock(&t->mu);
+  da_log_warn("the ipc listener stopped taking new connections (a client hung up in the handshake: libnng 1.5.2); "
+              "listening again on a fresh socket at %s, open connections unaffected", t->ipc_path);
+}
+
+/* Closes the replaced listeners whose connections have all gone. */
+static void close_retired(da_transport *t) {
+  for (int i = 0; i < t->n_retired;) {
+    uint32_t id = (uint32_t)nng_listener_id(t->retired[i]);
+    int n = 0;
+    pthread_mutex_lock(&t->mu);
+    for (int b = 0; b < PIPE_BUCKETS; b++)
+      for (tpipe *x = t->pipes[b]; x; x = x->next) n += x->listener == id;
+    pthread_mutex_unlock(&t->mu);
+    if (n > 0) {
+      i++;
+      continue;
+    }
+    nng_listener_close(t->retired[i]); /* unlinks only its own <path>.r<N>, long renamed */
+    t->retired[i] = t->retired[--t->n_retired];
+  }
+}
+
+void da_transport_check_listener(da_transport *t) {
+  if (t == NULL || !t->ipc_path[0] || !t->listening) return;
+  close_retired(t);
+  pthread_mutex_lock(&t->mu);
+  int stop = t->refusing || t->closing, seen = t->probe_seen;
+  pthread_mutex_unlock(&t->mu);
+  if (t->probe_fd >= 0) {
+    if (!seen && !stop && ++t->probe_ticks < 2) return;
+    if (!seen && !stop) replace_listener(t);
+    /* After ADD_PRE both handshake halves are done, so this close cannot hit the bug. */
+    pthread_mutex_lock(&t->mu);
+    close(t->probe_fd);
+    t->probe_fd = -1;
+    pthread_mutex_unlock(&t->mu);
+    return;
+  }
+  if (stop) return;
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  if (strlen(t->ipc_path) >= sizeof sa.sun_path) return;
+  memcpy(sa.sun_path, t->ipc_path, strlen(t->ipc_path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;
+  const uint8_t hs[8] = {0, 'S', 'P', 0, 0, 0x30, 0, 0}; /* a req0 peer */
+  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || write(fd, hs, sizeof hs) != (ssize_t)sizeof hs) {
+    close(fd); /* connected or not, nothing was negotiated with a half-written handshake */
+    return;
+  }
+  pthread_mutex_lock(&t->mu);
+  t->probe_fd = fd;
+  t->probe_ticks = 0;
+  t->probe_seen = 0;
+  pthread_mutex_unlock(&t->mu);
+}
+
 int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen) {
   int rv;
   da_transport *t = calloc(1, sizeof(*t));
@@ -605,6 +735,8 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   pthread_mutex_init(&t->arm_mu, &ma);
   pthread_mutexattr_destroy(&ma);
   t->lock_fd = -1;
+  t->probe_fd = -1;
+  t->ipc_mode = cfg->ipc_mode;
   if (strncmp(cfg->url, "ipc://", 6) == 0) snprintf(t->ipc_path, sizeof(t->ipc_path), "%s", cfg->url + 6);
   if ((rv = make_ipc_dir(cfg->url, err, errlen)) != 0) goto fail_sock;
   if ((rv = lock_ipc(cfg->url, &t->lock_fd, err, errlen)) != 0) goto fail_sock;
@@ -635,20 +767,19 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
       goto fail_nng;
     }
   }
-  if ((rv = nng_listener_create(&t->listener, t->sock, cfg->url)) != 0) {
+  if (t->ipc_path[0]) {
+    if (listen_ipc(t, &t->listener, err, errlen) != 0) {
+      rv = DETATTN_UNAVAILABLE;
+      goto fail_listen;
+    }
+  } else if ((rv = nng_listener_create(&t->listener, t->sock, cfg->url)) != 0) {
     snprintf(err, errlen, "cannot listen on %s: %s", cfg->url, nng_strerror(rv));
     rv = DETATTN_UNAVAILABLE;
     goto fail_listen;
   }
   if (strncmp(cfg->url, "tls+tcp://", 10) == 0 && (rv = setup_tls(t->listener, cfg, err, errlen)) != 0)
     goto fail_listen;
-  if (t->ipc_path[0] && cfg->ipc_mode > 0 &&
-      (rv = nng_listener_set_int(t->listener, NNG_OPT_IPC_PERMISSIONS, cfg->ipc_mode)) != 0) {
-    snprintf(err, errlen, "ipc socket mode %04o: %s", (unsigned)cfg->ipc_mode, nng_strerror(rv));
-    rv = DETATTN_UNAVAILABLE;
-    goto fail_listen;
-  }
-  if ((rv = nng_listener_start(t->listener, 0)) != 0) {
+  if (!t->ipc_path[0] && (rv = nng_listener_start(t->listener, 0)) != 0) {
     snprintf(err, errlen, "cannot listen on %s: %s", cfg->url, nng_strerror(rv));
     rv = DETATTN_UNAVAILABLE;
     goto fail_listen;
@@ -737,7 +868,9 @@ void da_transport_close(da_transport *t, int wait_ms) {
   while (t->sending > 0)
     if (pthread_cond_timedwait(&t->cv, &t->mu, &dl) == ETIMEDOUT) break;
   pthread_mutex_unlock(&t->mu);
-  nng_close(t->sock);
+  nng_close(t->sock); /* and the retired listeners */
+  if (t->probe_fd >= 0) close(t->probe_fd);
+  if (t->ipc_path[0]) unlink(t->ipc_path); /* the listeners unlink only their <path>.r<N> */
   for (int i = 0; i < t->n_ctxs; i++) nng_aio_free(t->ctxs[i].aio);
   free(t->ctxs);
   da_event *ev;

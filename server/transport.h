@@ -97,6 +97,7 @@ typedef struct da_transport_cfg {
 /* Connection counters since open (any thread reads them with da_transport_counts). */
 typedef struct da_transport_counts {
   uint64_t accepted, refused_cap, refused_peer, refused_creds, dropped_slow, dropped_idle;
+  uint64_t listener_replaced; /* ipc listeners replaced after libnng stopped accepting */
   int open;
 } da_transport_counts;
 
@@ -123,6 +124,10 @@ void da_transport_stop_listening(da_transport *t);
 /* Stops receiving, waits up to wait_ms for replies being sent, closes the socket and frees
  * everything, queued events included. NULL is a no-op. May block inside nng_close: the
  * daemon bounds it with its shutdown watchdog. */
+/* Called every second from the loop (ipc only): checks that the listener still takes new
+ * connections and replaces it when it does not (libnng 1.5.2; see transport.c). */
+void da_transport_check_listener(da_transport *t);
+
 void da_transport_close(da_transport *t, int wait_ms);
 /* The ipc lock file's descriptor, or -1 (for a shutdown that must exit without nng). */
 int da_transport_lock_fd(const da_transport *t);

@@ -28,6 +28,7 @@
 #include "detattn.pb-c.h"
 
 #include <nng/nng.h>
+#include <nng/protocol/reqrep0/req.h>
 
 static da_daemon_proc D;
 static uint64_t seed;
@@ -1050,6 +1051,44 @@ START_TEST(one_client_cannot_take_every_page_or_sequence) {
 }
 END_TEST
 
+
+/* ---- a client that hangs up while the connection is being negotiated ---- */
+
+/* libnng 1.5.2 (Debian 12) ends its ipc listener's accept loop for good when the daemon's
+ * half of the SP handshake fails with EPIPE, i.e. when a client connects and hangs up before
+ * the daemon has written its 8 bytes (fixed upstream in 1.6.0). Connections already open keep
+ * working; every new one is accepted by the kernel and then never served. */
+START_TEST(a_client_hanging_up_in_the_handshake_does_not_lock_out_new_clients) {
+  detattn_client *old = connect_ok(D.url);
+  detattn_server_info info;
+  ck_assert_int_eq(detattn_hello(old, &info), DETATTN_OK);
+  for (int round = 0; round < 2; round++) {
+    /* An nng client that dials and closes at once: the daemon's handshake write meets a
+     * closed peer. Raw connect-and-close races the daemon's write; this loses it reliably. */
+    for (int i = 0; i < 10; i++) {
+      nng_socket s;
+      ck_assert_int_eq(nng_req0_open(&s), 0);
+      ck_assert_int_eq(nng_dial(s, D.url, NULL, NNG_FLAG_NONBLOCK), 0);
+      nng_close(s);
+    }
+    /* A new client is served within the daemon's listener check (about 4 s), every round. */
+    uint64_t t0 = da_now_ns();
+    int st = DETATTN_UNAVAILABLE;
+    while (st != DETATTN_OK && da_now_ns() - t0 < 15000000000ull) {
+      detattn_client *c;
+      ck_assert_int_eq(detattn_connect(&c, D.url), DETATTN_OK);
+      detattn_set_timeout(c, 3000);
+      st = detattn_hello(c, &info);
+      detattn_close(c);
+    }
+    ck_assert_msg(st == DETATTN_OK, "round %d: no new client was served for 15 s after handshake hang-ups", round);
+    /* The connection opened before keeps working. */
+    ck_assert_int_eq(detattn_hello(old, &info), DETATTN_OK);
+  }
+  detattn_close(old);
+}
+END_TEST
+
 static Suite *abuse_suite(void) {
   const struct {
     const char *name;
@@ -1070,6 +1109,7 @@ static Suite *abuse_suite(void) {
       {"killed_clients", setup_killed, many_killed_clients_leave_nothing_behind, 120},
       {"decode_flood", setup_flood, decode_is_not_starved_by_a_prefill_flood, 120},
       {"quotas", setup_quota, one_client_cannot_take_every_page_or_sequence, 60},
+      {"handshake_hangup", setup_restart, a_client_hanging_up_in_the_handshake_does_not_lock_out_new_clients, 60},
   };
   Suite *s = suite_create("abuse");
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
