@@ -11,11 +11,14 @@ has an attention module for Llama-style decoders, ``detattn.model`` a small pure
 model, ``python3 -m detattn.repro`` the reproducibility experiment.
 """
 
-from .client import Client, ForwardCall, ModelInfo, Output, Sequence, SeqIO, ServerInfo, Stats, from_bf16, to_bf16
-from .errors import (Cancelled, DeadlineExceeded, DetattnError, FailedPrecondition, Internal, InvalidArgument,
-                     NotFound, PermissionDenied, ResourceExhausted, Unavailable, Unimplemented)
+from .client import (DATA_PLANES, Client, ForwardCall, ModelInfo, Output, Sequence, SeqIO, ServerInfo, Stats,
+                     from_bf16, to_bf16)
+from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, DetattnError, FailedPrecondition,
+                     Internal, InvalidArgument, NotFound, OutOfRange, PermissionDenied, ResourceExhausted, Unavailable,
+                     Unimplemented, Unknown)
 
-__all__ = ["Client", "ForwardCall", "ModelInfo", "Output", "Sequence", "SeqIO", "ServerInfo", "Stats", "from_bf16",
-           "to_bf16", "DetattnError", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "Internal",
-           "InvalidArgument", "NotFound", "PermissionDenied", "ResourceExhausted", "Unavailable", "Unimplemented"]
+__all__ = ["DATA_PLANES", "Client", "ForwardCall", "ModelInfo", "Output", "Sequence", "SeqIO", "ServerInfo", "Stats",
+           "from_bf16", "to_bf16", "DetattnError", "Cancelled", "Unknown", "InvalidArgument", "DeadlineExceeded",
+           "NotFound", "AlreadyExists", "PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted",
+           "OutOfRange", "Unimplemented", "Internal", "Unavailable", "DataLoss"]
 __version__ = "0.1.0"

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import torch
 
 from .model import Transformer
-from .torch import AttentionBackend, Segment
+from .torch import AttentionBackend, SequenceTable
 
 
 @dataclass
@@ -28,7 +28,6 @@ class Request:
     prefill_chunk: int = 0     # 0: the engine's
     id: int = field(default_factory=itertools.count().__next__)
     # state
-    seq: Any = None
     done_prompt: int = 0
     out: List[int] = field(default_factory=list)
     pending: Optional[int] = None  # the last sampled token, not yet fed
@@ -37,23 +36,27 @@ class Request:
 
     @property
     def length(self) -> int:
+        """Tokens in the request's sequence (fed to the model so far)."""
         return self.done_prompt + len(self.out) - (1 if self.pending is not None else 0)
 
 
 class Engine:
     """Runs requests on ``model`` with attention from ``attn``. ``max_batch_tokens`` bounds the
-    tokens of one step; ``prefill_chunk`` the tokens of one request's prefill per step."""
+    tokens of one step; ``prefill_chunk`` the tokens of one request's prefill per step. The
+    engine's ``table`` keeps each request's sequence and length."""
 
     def __init__(self, model: Transformer, attn: AttentionBackend, max_batch_tokens: int = 512,
                  prefill_chunk: int = 128):
         self.model, self.attn = model, attn
+        self.table = SequenceTable(attn)
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
         self.running: List[Request] = []
         self.steps = 0
         self.tokens = 0
 
     def add(self, r: Request) -> Request:
-        r.seq = self.attn.new_seq()
+        """The request joins: its sequence opens; it runs from the next step."""
+        self.table.open(r.id)
         if r.temperature > 0:
             r.gen = torch.Generator().manual_seed(r.seed)
         self.running.append(r)
@@ -64,7 +67,7 @@ class Engine:
         sampling with its own seed, or (seed None) r's sampler state, giving r's tokens."""
         f = Request(prompt=list(r.prompt), max_new=r.max_new, temperature=r.temperature,
                     seed=r.seed if seed is None else seed, prefill_chunk=r.prefill_chunk)
-        f.seq = self.attn.fork(r.seq)
+        self.table.fork(r.id, f.id)
         f.done_prompt, f.out, f.pending = r.done_prompt, list(r.out), r.pending
         if f.temperature > 0:
             f.gen = torch.Generator()
@@ -80,7 +83,7 @@ class Engine:
         again at the next step)."""
         n_out = max(1, min(n_out, len(r.out)))
         keep = r.done_prompt + n_out - 1
-        self.attn.truncate(r.seq, keep)
+        self.table.truncate(r.id, keep)
         r.out = r.out[:n_out]
         r.pending = r.out[-1]
         r.finished = False
@@ -93,7 +96,7 @@ class Engine:
 
     def step(self) -> List[Request]:
         """One model step over the running requests; returns the requests that finished."""
-        tokens, pos, segs, owners = [], [], [], []
+        tokens, counts, owners = [], [], []
         budget = self.max_batch_tokens
         for r in self.running:
             if r.finished or budget <= 0:
@@ -102,19 +105,20 @@ class Engine:
                 chunk = r.prefill_chunk or self.prefill_chunk or len(r.prompt)
                 n = min(chunk, len(r.prompt) - r.done_prompt, budget)
                 toks = r.prompt[r.done_prompt:r.done_prompt + n]
-                p0 = r.done_prompt
             elif r.pending is not None:
-                n, toks, p0 = 1, [r.pending], r.length
+                n, toks = 1, [r.pending]
             else:
                 continue
-            segs.append(Segment(r.seq, p0, len(tokens), n))
+            assert self.table.length(r.id) == r.length, (r.id, self.table.length(r.id), r.length)
+            counts.append((r.id, n))
             owners.append((r, n))
             tokens += toks
-            pos += range(p0, p0 + n)
             budget -= n
-        if not segs:
+        if not counts:
             return []
-        logits = self.model.step(torch.tensor(tokens), torch.tensor(pos), self.attn, segs)
+        batch = self.table.batch(counts)
+        logits = self.model.step(torch.tensor(tokens), batch)
+        self.table.commit(batch)
         self.steps += 1
         self.tokens += len(tokens)
         finished = []
@@ -134,11 +138,11 @@ class Engine:
         return finished
 
     def release(self, r: Request) -> None:
+        """The request leaves: its sequence closes (its pages go back to the daemon)."""
         if r in self.running:
             self.running.remove(r)
-        if r.seq is not None:
-            self.attn.free(r.seq)
-            r.seq = None
+        if r.id in self.table:
+            self.table.close(r.id)
 
     def run(self, requests: List[Request]) -> List[Request]:
         """Runs requests to completion (all joining now)."""

@@ -21,6 +21,14 @@ class DetattnError(Exception):
         super().__init__(f"{call + ': ' if call else ''}{self.status}: {message}")
 
 
+class Cancelled(DetattnError):
+    code = 1
+
+
+class Unknown(DetattnError):
+    code = 2
+
+
 class InvalidArgument(DetattnError):
     code = 3
 
@@ -31,6 +39,10 @@ class DeadlineExceeded(DetattnError):
 
 class NotFound(DetattnError):
     code = 5
+
+
+class AlreadyExists(DetattnError):
+    code = 6
 
 
 class PermissionDenied(DetattnError):
@@ -45,6 +57,14 @@ class FailedPrecondition(DetattnError):
     code = 9
 
 
+class Aborted(DetattnError):
+    code = 10
+
+
+class OutOfRange(DetattnError):
+    code = 11
+
+
 class Unimplemented(DetattnError):
     code = 12
 
@@ -57,20 +77,23 @@ class Unavailable(DetattnError):
     code = 14
 
 
-class Cancelled(DetattnError):
-    code = 1
+class DataLoss(DetattnError):
+    code = 15
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidArgument, DeadlineExceeded, NotFound, PermissionDenied,
-                                      ResourceExhausted, FailedPrecondition, Unimplemented, Internal, Unavailable,
-                                      Cancelled)}
+# One subclass per status of DETATTN_STATUS_MAP (OK excepted), by number.
+_BY_CODE = {cls.code: cls for cls in (Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
+                                      PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
+                                      Unimplemented, Internal, Unavailable, DataLoss)}
 
 
 def error(code: int, call: str = "") -> DetattnError:
-    """The exception for status ``code``, with this thread's last message."""
+    """The exception for status ``code``, with this thread's last message (read it on the
+    thread that made the failed call, right after it)."""
     return _BY_CODE.get(code, DetattnError)(code, errmsg(), call)
 
 
 def check(code: int, call: str) -> None:
+    """Raises the exception for ``code`` unless it is OK (0)."""
     if code != 0:
         raise error(code, call)

@@ -1,22 +1,23 @@
 """A Llama-style decoder in pure torch (RMSNorm, RoPE, GQA attention, SwiGLU) whose attention
-goes through an ``AttentionBackend`` (``detattn.torch``): detattnd or torch in-process.
+core is ``detattn.torch.Attention``: through detattnd or torch in-process, as the step's
+``Batch`` says.
 
 The model runs a *step*: the packed new tokens of several sequences at once (prefill chunks
-and decode tokens together), described by ``Segment``s, and returns the logits of each
-segment's last token.
+and decode tokens together), laid out by a ``Batch``, and returns the logits of each
+sequence's last token.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, asdict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from torch import nn
 
 from . import safetensors
-from .torch import AttentionBackend, Segment
+from .torch import Attention, Batch
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,11 @@ def linear(x: torch.Tensor, layer: nn.Linear, rowwise: bool) -> torch.Tensor:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, layer: int):
         super().__init__()
         self.cfg = cfg
         self.rowwise = True
+        self.attn = Attention(layer)
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -93,14 +95,14 @@ class Block(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
 
-    def forward(self, x, pos, layer, attn: AttentionBackend, segments):
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, batch: Batch) -> torch.Tensor:
         c = self.cfg
         rw = self.rowwise
         h = self.attn_norm(x)
         q = rope(linear(h, self.wq, rw).view(-1, c.n_heads, c.head_dim), pos, c.rope_theta)
         k = rope(linear(h, self.wk, rw).view(-1, c.n_kv_heads, c.head_dim), pos, c.rope_theta)
         v = linear(h, self.wv, rw).view(-1, c.n_kv_heads, c.head_dim)
-        o = attn.attend(layer, q, k, v, segments)
+        o = self.attn(q, k, v, batch)
         x = x + linear(o.reshape(-1, c.n_heads * c.head_dim), self.wo, rw)
         h = self.ffn_norm(x)
         return x + linear(nn.functional.silu(linear(h, self.w1, rw)) * linear(h, self.w3, rw), self.w2, rw)
@@ -111,7 +113,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
@@ -147,15 +149,18 @@ class Transformer(nn.Module):
         safetensors.save({k: v for k, v in self.state_dict().items()}, path)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor, attn: AttentionBackend,
-             segments: List[Segment]) -> torch.Tensor:
-        """Runs the packed tokens [T] at positions [T]; returns logits [len(segments), vocab]
-        of each segment's last token."""
+    def step(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Runs the packed tokens [T] laid out by ``batch`` (each layer's attention is one
+        call of ``batch.backend`` for all of them); returns the logits
+        [len(batch.segments), vocab] of each segment's last token."""
+        if tokens.shape[0] != batch.n_tokens:
+            raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.n_tokens}")
+        pos = batch.positions()
         x = self.embed(tokens)
-        for i, blk in enumerate(self.layers):
-            x = blk(x, pos, i, attn, segments)
-        last = torch.tensor([s.start + s.n - 1 for s in segments])
-        return linear(self.norm(x[last]), self.head, self.layers[0].rowwise if len(self.layers) else False).float()
+        for blk in self.layers:
+            x = blk(x, pos, batch)
+        rw = self.layers[0].rowwise if len(self.layers) else False
+        return linear(self.norm(x[batch.last_rows()]), self.head, rw).float()
 
 
 def config_dict(cfg: Config) -> dict:

@@ -5,11 +5,17 @@ One target prompt is generated greedily N times. Each time, a seeded random set 
 requests (random prompt lengths, outputs and prefill chunkings) is running in the same
 continuous-batching engine, and the target joins after a random number of steps with a
 random prefill chunking of its own. The model's own matmuls run one row at a time
-(batch-invariant), so only attention can make runs differ. Attention runs either through
-detattnd or through torch in-process (one padded, masked attention call per layer for the
-batch, SDPA where torch has it). For detattn the target is also generated from two client
-processes at once and, when the experiment started the daemon itself, across a daemon
-restart.
+(batch-invariant), so only attention can make runs differ. Attention runs through one of
+the paths:
+
+  detattn       detattnd (one Forward per layer per step for the whole batch)
+  torch         torch in-process, one padded, masked call per layer for the batch (SDPA
+                where torch has it, else matmul-softmax)
+  torch-varlen  torch in-process, one packed varlen_attn call per layer (flash attention,
+                as vLLM-style engines batch; CUDA, torch >= 2.10)
+
+For detattn the target is also generated from two client processes at once and, when the
+experiment started the daemon itself, across a daemon restart.
 
     python3 -m detattn.repro --url ipc:///run/detattn/detattnd.sock --model tiny --samples 50 --json r.json
     python3 -m detattn.repro --detattnd build/bin/detattnd --samples 50 --plot r.png
@@ -31,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -41,19 +47,33 @@ from .model import CONFIGS, Transformer, daemon_flags
 from .torch import DetattnAttention, TorchAttention
 
 
+PATHS = ("detattn", "torch", "torch-varlen")
+
+
+def _range(text: str) -> Tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI with 1 <= LO <= HI")
+    return lo, hi
+
+
 def target_prompt(cfg, seed: int, length: int) -> List[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab, (length,), generator=g).tolist()
 
 
-def one_sample(model, attn, cfg, prompt, max_new, sample_seed, chunk_choices) -> List[int]:
-    """The target's completion next to a random batch (seeded by sample_seed)."""
+def one_sample(model, attn, cfg, prompt, max_new, sample_seed, chunk_choices,
+               other_len: Tuple[int, int] = (4, 80), stats: Optional[dict] = None) -> List[int]:
+    """The target's completion next to a random batch (seeded by sample_seed): 0-5 other
+    requests at the start, more joining (30 % a step) while the target runs, prompts of
+    other_len tokens, random output lengths and prefill chunkings."""
     rnd = random.Random(sample_seed)
     eng = Engine(model, attn, max_batch_tokens=256, prefill_chunk=rnd.choice(chunk_choices))
-    others = []
+    lo, hi = other_len
     for _ in range(rnd.randint(0, 5)):
-        p = [rnd.randrange(cfg.vocab) for _ in range(rnd.randint(4, 80))]
-        others.append(eng.add(Request(p, rnd.randint(1, 2 * max_new), prefill_chunk=rnd.choice(chunk_choices))))
+        p = [rnd.randrange(cfg.vocab) for _ in range(rnd.randint(lo, hi))]
+        eng.add(Request(p, rnd.randint(1, 2 * max_new), prefill_chunk=rnd.choice(chunk_choices)))
     join_after = rnd.randint(0, 6)
     target = None
     steps = 0
@@ -65,12 +85,15 @@ def one_sample(model, attn, cfg, prompt, max_new, sample_seed, chunk_choices) ->
                 eng.release(r)
         # Requests join and leave while the target runs.
         if rnd.random() < 0.3:
-            p = [rnd.randrange(cfg.vocab) for _ in range(rnd.randint(4, 60))]
+            p = [rnd.randrange(cfg.vocab) for _ in range(rnd.randint(lo, hi))]
             eng.add(Request(p, rnd.randint(1, max_new), prefill_chunk=rnd.choice(chunk_choices)))
         steps += 1
     out = list(target.out)
     for r in list(eng.running):
         eng.release(r)
+    if stats is not None:
+        stats["steps"] = stats.get("steps", 0) + eng.steps
+        stats["tokens"] = stats.get("tokens", 0) + eng.tokens
     return out
 
 
@@ -85,12 +108,13 @@ def first_divergence(completions: List[List[int]]) -> Optional[int]:
 
 
 def run_path(name, model, attn, cfg, prompt, args) -> dict:
-    completions, t0, tokens = [], time.perf_counter(), 0
+    completions, t0, tokens, stats = [], time.perf_counter(), 0, {}
     for i in range(args.samples):
         if args.time_limit and time.perf_counter() - t0 > args.time_limit:
             print(f"{name}: time limit after {i} samples", file=sys.stderr)
             break
-        out = one_sample(model, attn, cfg, prompt, args.max_new, args.seed * 1000003 + i, [0, 8, 16, 32, 64])
+        out = one_sample(model, attn, cfg, prompt, args.max_new, args.seed * 1000003 + i, [0, 8, 16, 32, 64],
+                         args.other_len, stats)
         completions.append(out)
         tokens += len(out)
         if args.verbose or (i + 1) % 50 == 0:
@@ -100,6 +124,8 @@ def run_path(name, model, attn, cfg, prompt, args) -> dict:
     distinct = {tuple(c) for c in completions}
     return {"distinct_completions": len(distinct), "first_divergence": first_divergence(completions),
             "samples": len(completions), "seconds": secs, "ms_per_target_token": 1e3 * secs / max(tokens, 1),
+            "engine_steps": stats.get("steps", 0), "engine_tokens": stats.get("tokens", 0),
+            "ms_per_step": 1e3 * secs / max(stats.get("steps", 0), 1),
             "completion_0": completions[0], "completions": [list(c) for c in distinct]}
 
 
@@ -153,8 +179,8 @@ def child_main(args) -> int:
     prompt = target_prompt(cfg, args.seed, args.prompt_len)
     with Client(args.url) as c:
         attn = DetattnAttention(c)
-        outs = [one_sample(model, attn, cfg, prompt, args.max_new, 777 + 31 * args.child + i, [0, 8, 32])
-                for i in range(args.samples)]
+        outs = [one_sample(model, attn, cfg, prompt, args.max_new, 777 + 31 * args.child + i, [0, 8, 32],
+                           args.other_len) for i in range(args.samples)]
     print(json.dumps(outs))
     return 0
 
@@ -163,9 +189,10 @@ def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = [p for p in ("detattn", "torch") if p in result["paths"]]
+    paths = [p for p in PATHS if p in result["paths"]]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax[0].bar(paths, [result["paths"][p]["distinct_completions"] for p in paths], color=["#2a7", "#c44"][:len(paths)])
+    ax[0].bar(paths, [result["paths"][p]["distinct_completions"] for p in paths],
+              color=["#2a7", "#c44", "#e83"][:len(paths)])
     ax[0].set_title(f"distinct completions of one prompt ({result['samples']} runs)")
     for p in paths:
         comps = result["paths"][p]["completions"]
@@ -181,6 +208,17 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def torch_backend(name: str, cfg, args) -> TorchAttention:
+    """The in-process attention of path ``name`` (torch or torch-varlen)."""
+    dev = torch.device(args.torch_device)
+    if args.torch_dtype == "auto":  # what a serving stack computes in: bf16 on a GPU
+        compute = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.torch_dtype]
+    return TorchAttention(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device=dev,
+                          compute_dtype=compute, kind="varlen" if name == "torch-varlen" else "padded")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m detattn.repro", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running detattnd whose model matches --model (else --detattnd starts one)")
@@ -190,10 +228,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model-seed", type=int, default=1)
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--max-new", type=int, default=24)
-    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--prompt-len", type=int, default=48, help="tokens of the target prompt")
+    ap.add_argument("--other-len", type=_range, default=(4, 80), metavar="LO:HI",
+                    help="prompt tokens of the other requests (default 4:80)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--paths", default="detattn,torch", help="attention paths: detattn,torch")
+    ap.add_argument("--paths", default="detattn,torch", help="attention paths, of " + ",".join(PATHS))
     ap.add_argument("--torch-device", default="cpu", help="torch in-process attention device (cuda on a GPU)")
+    ap.add_argument("--torch-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="what the padded torch path computes in (auto: bf16 on CUDA, fp32 on the CPU)")
     ap.add_argument("--json", help="write the result as JSON")
     ap.add_argument("--plot", help="write a PNG plot")
     ap.add_argument("--no-processes", action="store_true", help="skip the two-process check")
@@ -211,8 +253,12 @@ def main(argv=None) -> int:
         model.load_safetensors(args.weights)
     prompt = target_prompt(cfg, args.seed, args.prompt_len)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    result = {"model": args.model, "samples_asked": args.samples, "max_new": args.max_new, "prompt_len": args.prompt_len,
-              "seed": args.seed, "paths": {}, "distinct_completions": {}}
+    bad = [p for p in paths if p not in PATHS]
+    if bad:
+        ap.error(f"unknown attention path {bad[0]!r} (of {', '.join(PATHS)})")
+    result = {"model": args.model, "samples_asked": args.samples, "max_new": args.max_new,
+              "prompt_len": args.prompt_len, "other_len": list(args.other_len), "seed": args.seed, "paths": {},
+              "distinct_completions": {}, "skipped": {}, "torch_version": torch.__version__}
     daemon = None
     try:
         if "detattn" in paths:
@@ -230,14 +276,19 @@ def main(argv=None) -> int:
                     raise SystemExit(f"the daemon serves {m}, not the {args.model} model")
                 attn = DetattnAttention(c)
                 r = run_path("detattn", model, attn, cfg, prompt, args)
-                result["fingerprint"] = f"{c.info.fingerprint:016x}"
+                info = c.info
+                r["attention"] = {"backend": info.backend, "arch": info.arch, "fingerprint": f"{info.fingerprint:016x}",
+                                  "split_tokens": info.split_tokens, "tile_tokens": info.tile_tokens,
+                                  "data_plane": c.data_plane}
+                result["fingerprint"] = f"{info.fingerprint:016x}"
                 result["data_plane"] = c.data_plane
             ref = r["completion_0"]
             if not args.no_processes:
                 kids = [subprocess.Popen([sys.executable, "-m", "detattn.repro", "--child", str(i), "--url", url,
                                           "--model", args.model, "--model-seed", str(args.model_seed), "--seed",
                                           str(args.seed), "--samples", str(max(1, min(args.samples, 4))),
-                                          "--max-new", str(args.max_new), "--prompt-len", str(args.prompt_len)]
+                                          "--max-new", str(args.max_new), "--prompt-len", str(args.prompt_len),
+                                          "--other-len", "%d:%d" % args.other_len]
                                          + (["--weights", args.weights] if args.weights else []),
                                          stdout=subprocess.PIPE, cwd=str(Path(__file__).resolve().parents[1]))
                         for i in range(2)]
@@ -250,22 +301,29 @@ def main(argv=None) -> int:
                 daemon.stop()
                 daemon.start()
                 with Client(daemon.url) as c:
-                    again = one_sample(model, DetattnAttention(c), cfg, prompt, args.max_new, 424242, [0, 16])
+                    again = one_sample(model, DetattnAttention(c), cfg, prompt, args.max_new, 424242, [0, 16],
+                                       args.other_len)
                 r["restart_equal"] = again == ref
             result["paths"]["detattn"] = r
-        if "torch" in paths:
-            attn = TorchAttention(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, device=args.torch_device)
-            result["paths"]["torch"] = run_path("torch", model, attn, cfg, prompt, args)
-            result["torch_attention"] = "sdpa" if attn.sdpa is not None else "matmul-softmax"
-            result["torch_version"] = torch.__version__
+        for name in (p for p in PATHS[1:] if p in paths):
+            try:
+                attn = torch_backend(name, cfg, args)
+            except RuntimeError as e:
+                print(f"{name}: skipped: {e}", file=sys.stderr)
+                result["skipped"][name] = str(e)
+                continue
+            r = run_path(name, model, attn, cfg, prompt, args)
+            r["attention"] = attn.info
+            result["paths"][name] = r
     finally:
         if daemon is not None:
             daemon.close()
     for p, r in result["paths"].items():
         result["distinct_completions"][p] = r["distinct_completions"]
     result["samples"] = min((r["samples"] for r in result["paths"].values()), default=0)
-    print("| attention path | samples | distinct completions | first diverging token | ms per token | checks |")
-    print("|---|--:|--:|--:|--:|---|")
+    print("| attention path | samples | distinct completions | first diverging token | ms per target token | "
+          "ms per engine step | checks |")
+    print("|---|--:|--:|--:|--:|--:|---|")
     for p, r in result["paths"].items():
         checks = []
         if "two_processes_equal" in r:
@@ -274,7 +332,9 @@ def main(argv=None) -> int:
             checks.append(f"restart {'equal' if r['restart_equal'] else 'DIFFERS'}")
         fd = r["first_divergence"]
         print(f"| {p} | {r['samples']} | {r['distinct_completions']} | {'-' if fd is None else fd} | "
-              f"{r['ms_per_target_token']:.1f} | {', '.join(checks) or '-'} |")
+              f"{r['ms_per_target_token']:.1f} | {r['ms_per_step']:.1f} | {', '.join(checks) or '-'} |")
+    for p, why in result["skipped"].items():
+        print(f"| {p} | skipped: {why} | | | | | |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -1,41 +1,78 @@
-"""Attention for Llama-style decoders (GQA, causal; RoPE applied by the caller) with two
-interchangeable backends behind one interface:
+"""Attention for Llama-style decoders (GQA, causal; RoPE applied by the caller), batched the
+way a serving engine batches: one step carries prefill chunks and decode tokens of many
+requests, packed as ``[tokens, heads, head_dim]`` rows.
 
-* ``DetattnAttention``: every layer call of a step is ONE Forward to detattnd carrying
-  every sequence of the batch (prefill chunks and decode tokens together). The daemon keeps
-  the KV cache; outputs are bit-identical whatever else is batched.
-* ``TorchAttention``: the usual in-process way, a KV cache in torch tensors and one padded,
-  masked attention call per layer for the whole batch (torch SDPA when present, else
-  matmul-softmax). Its bits depend on the batch: the comparison in ``detattn.repro``.
-
-A step is described by ``Segment``s: which sequence, at which position, how many tokens, and
-where its rows are in the packed ``[tokens, heads, head_dim]`` tensors.
+* ``Attention`` (an ``nn.Module``): the drop-in attention core of one decoder layer,
+  ``o = attn(q, k, v, batch)``. It holds only its layer index; the step's ``Batch`` says
+  which rows belong to which sequence at which positions and which backend runs them.
+* ``SequenceTable``: each request's sequence and length by request id (open, fork,
+  truncate, close), and the ``Batch`` of a step (``batch``), advanced after it (``commit``).
+* Backends, interchangeable behind ``AttentionBackend``:
+  - ``DetattnAttention``: each layer call of a step is ONE Forward to detattnd carrying
+    every sequence of the batch. The daemon keeps the KV cache; outputs are bit-identical
+    whatever else is batched, however prefill is chunked.
+  - ``TorchAttention``: the usual in-process way, a KV cache in torch tensors and one
+    attention call per layer for the whole batch, either ``padded`` (a padded, masked
+    batch: torch SDPA when present, else matmul-softmax) or ``varlen`` (packed rows with
+    cumulative lengths through ``torch.nn.attention.varlen.varlen_attn``, flash attention,
+    as vLLM-style engines call it; CUDA and torch >= 2.10 only). Their bits may depend on
+    the batch: the comparison in ``detattn.repro``.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from dataclasses import dataclass
-from typing import Any, List
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence as Seq, Tuple
 
 import torch
+from torch import nn
 
 from .client import Client, Sequence, SeqIO
 
 
 @dataclass
 class Segment:
-    """Rows [start, start + n) of a step's packed tensors: sequence ``seq`` at positions
-    [pos, pos + n)."""
+    """Rows [start, start + n) of a step's packed tensors: sequence ``seq`` (a backend
+    handle) at positions [pos, pos + n)."""
     seq: Any
     pos: int
     start: int
     n: int
 
 
+@dataclass
+class Batch:
+    """One step's layout: its segments (in row order), the backend that runs attention and,
+    when made by a ``SequenceTable``, the request id of each segment."""
+    segments: List[Segment]
+    backend: "AttentionBackend"
+    rids: List[Hashable] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n for s in self.segments)
+
+    def positions(self) -> torch.Tensor:
+        """The absolute position of every row ([n_tokens] int64), for RoPE."""
+        pos = torch.empty(self.n_tokens, dtype=torch.long)
+        for s in self.segments:
+            pos[s.start:s.start + s.n] = torch.arange(s.pos, s.pos + s.n)
+        return pos
+
+    def last_rows(self) -> torch.Tensor:
+        """The row of each segment's last token."""
+        return torch.tensor([s.start + s.n - 1 for s in self.segments], dtype=torch.long)
+
+
 class AttentionBackend:
-    """The interface the model and the engine use. ``attend`` gets q ``[T, Hq, d]``, k and
-    v ``[T, Hkv, d]`` of the step's new tokens and returns o ``[T, Hq, d]`` (float32)."""
+    """What ``Attention`` runs on. ``attend`` gets q ``[T, Hq, d]``, k and v ``[T, Hkv, d]``
+    of the step's new rows (RoPE applied), appends k and v to each segment's sequence at its
+    positions, and returns causal attention o ``[T, Hq, d]`` (float32, values of the
+    backend's dtype). Sequence handles come from ``new_seq``/``fork``."""
+
+    name = "backend"
 
     def new_seq(self) -> Any:
         raise NotImplementedError
@@ -55,12 +92,16 @@ class AttentionBackend:
 
 
 class DetattnAttention(AttentionBackend):
-    """Attention through detattnd: one Forward per layer for the whole batch."""
+    """Attention through detattnd: one Forward per layer for the whole batch. Sequence
+    handles are ``detattn.Sequence``s of ``client``."""
+
+    name = "detattn"
 
     def __init__(self, client: Client):
         self.client = client
         m = client.info.model
         self.n_q_heads, self.n_kv_heads, self.head_dim = m.n_q_heads, m.n_kv_heads, m.head_dim
+        self.dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float16
         self.calls = 0
 
     def new_seq(self) -> Sequence:
@@ -76,34 +117,120 @@ class DetattnAttention(AttentionBackend):
         seq.close()
 
     def attend(self, layer, q, k, v, segments):
-        items = [SeqIO(s.seq.id, s.pos, q[s.start:s.start + s.n], k[s.start:s.start + s.n],
-                       v[s.start:s.start + s.n]) for s in segments]
+        # Round the whole step once on its device, copy it to the host once; segments are
+        # row ranges of it (contiguous views).
+        qh, kh, vh = (x.detach().to(self.dtype).to("cpu").contiguous() for x in (q, k, v))
+        items = [SeqIO(s.seq, s.pos, qh[s.start:s.start + s.n], kh[s.start:s.start + s.n],
+                       vh[s.start:s.start + s.n]) for s in segments]
         outs = self.client.forward(layer, items)
         self.calls += 1
-        o = torch.empty(q.shape, dtype=torch.float32)
+        o = torch.zeros(q.shape[0], self.n_q_heads, self.head_dim, dtype=torch.float32)
         for s, out in zip(segments, outs):
             o[s.start:s.start + s.n] = out.o.to(torch.float32)
         return o
 
 
 class _TorchSeq:
+    """A sequence's KV cache in TorchAttention: per layer, buffers [capacity, Hkv, d] of which
+    the first ``length`` rows are used."""
+
     def __init__(self, n_layers: int):
-        self.k: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
-        self.v: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
+        self.k: List[Optional[torch.Tensor]] = [None] * n_layers
+        self.v: List[Optional[torch.Tensor]] = [None] * n_layers
         self.length = [0] * n_layers
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        L, n = self.length[layer], k.shape[0]
+        if self.k[layer] is None or self.k[layer].shape[0] < L + n:
+            cap = max(64, 2 * (L + n))
+            nk, nv = k.new_empty((cap,) + tuple(k.shape[1:])), v.new_empty((cap,) + tuple(v.shape[1:]))
+            if L:
+                nk[:L], nv[:L] = self.k[layer][:L], self.v[layer][:L]
+            self.k[layer], self.v[layer] = nk, nv
+        self.k[layer][L:L + n] = k
+        self.v[layer][L:L + n] = v
+        self.length[layer] = L + n
+
+    def keys(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        L = self.length[layer]
+        return self.k[layer][:L], self.v[layer][:L]
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """What ``varlen_attn`` computes with a causal window, in float64 one sequence at a time
+    (bottom-right causal: query i of n sees the first L - n + i + 1 keys; GQA by head
+    groups). For tests of the packing, not a torch kernel."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    g = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        n, L = q1 - q0, k1 - k0
+        Q = q[q0:q1].double().transpose(0, 1)
+        K = k[k0:k1].double().repeat_interleave(g, dim=1).transpose(0, 1)
+        V = v[k0:k1].double().repeat_interleave(g, dim=1).transpose(0, 1)
+        S = torch.matmul(Q, K.transpose(-1, -2)) * scale
+        allowed = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        S = S.masked_fill(~allowed, float("-inf"))
+        out[q0:q1] = torch.matmul(torch.softmax(S, dim=-1), V).transpose(0, 1)
+    return out.to(q.dtype)
+
+
+def _torch_varlen() -> Optional[Callable]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
+    except ImportError:
+        return None
+    return varlen_attn
 
 
 class TorchAttention(AttentionBackend):
-    """In-process attention: a KV cache per sequence and layer, and one padded, masked
-    attention call per layer for the whole batch. Inputs are rounded to ``dtype`` (as
-    detattnd's are), attention runs in ``compute_dtype`` on ``device``."""
+    """In-process attention: a KV cache per sequence and layer on ``device`` and one
+    attention call per layer for the whole batch.
+
+    ``kind="padded"``: the batch padded to its longest query chunk and key length, a boolean
+    mask, torch SDPA when present (any device), else matmul-softmax; ``compute_dtype`` is the
+    dtype it computes in. ``kind="varlen"``: the step's rows packed with cumulative lengths,
+    one ``varlen_attn`` call (flash attention, bottom-right causal, GQA heads as they are),
+    in ``dtype``. Inputs are rounded to ``dtype`` (as detattnd's are) and so are outputs."""
 
     def __init__(self, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int, scale: float = 0.0,
-                 dtype=torch.bfloat16, compute_dtype=torch.float32, device="cpu"):
+                 dtype=torch.bfloat16, compute_dtype=torch.float32, device="cpu", kind: str = "padded",
+                 varlen_fn: Optional[Callable] = None):
+        if kind not in ("padded", "varlen"):
+            raise ValueError(f"kind {kind!r} is not padded or varlen")
         self.n_layers, self.hq, self.hkv, self.d = n_layers, n_q_heads, n_kv_heads, head_dim
         self.scale = scale or 1.0 / math.sqrt(head_dim)
-        self.dtype, self.compute_dtype, self.device = dtype, compute_dtype, device
+        self.dtype, self.compute_dtype, self.device, self.kind = dtype, compute_dtype, torch.device(device), kind
+        self.name = "torch" if kind == "padded" else "torch-varlen"
         self.sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+        self.info: Dict[str, Any] = {"kind": kind, "torch": torch.__version__, "device": str(self.device)}
+        if kind == "padded":
+            self.info["kernel"] = "sdpa" if self.sdpa is not None else "matmul-softmax"
+            self.info["compute_dtype"] = str(compute_dtype).replace("torch.", "")
+        else:
+            fn = varlen_fn or _torch_varlen()
+            if fn is None:
+                raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
+            if varlen_fn is None and self.device.type != "cuda":
+                raise RuntimeError("varlen_attn is flash attention: CUDA only")
+            self._varlen = fn
+            params = inspect.signature(fn).parameters if _has_signature(fn) else {}
+            self._varlen_kw: Dict[str, Any] = {}
+            if "window_size" in params:
+                self._varlen_kw["window_size"] = (-1, 0)  # a tuple: varlen_attn compares with (-1, 0)
+            elif "is_causal" in params:
+                self._varlen_kw["is_causal"] = True
+            else:
+                raise RuntimeError("varlen_attn takes neither window_size nor is_causal: unknown version")
+            if "scale" in params:
+                self._varlen_kw["scale"] = self.scale
+            elif abs(self.scale - 1.0 / math.sqrt(head_dim)) > 1e-12:
+                raise RuntimeError("this varlen_attn has no scale argument and the scale is not 1/sqrt(head_dim)")
+            if "enable_gqa" in params:
+                self._varlen_kw["enable_gqa"] = True
+            self._gqa_native = True  # kv heads as they are (flash handles GQA); else repeated
+            self.info["kernel"] = "varlen_attn"
+            self.info["varlen_args"] = sorted(self._varlen_kw)
 
     def new_seq(self):
         return _TorchSeq(self.n_layers)
@@ -111,30 +238,31 @@ class TorchAttention(AttentionBackend):
     def fork(self, seq):
         f = _TorchSeq(self.n_layers)
         for l in range(self.n_layers):
-            f.k[l] = list(seq.k[l])
-            f.v[l] = list(seq.v[l])
+            if seq.k[l] is not None:
+                f.k[l], f.v[l] = seq.k[l].clone(), seq.v[l].clone()
             f.length[l] = seq.length[l]
         return f
 
     def truncate(self, seq, length):
         for l in range(self.n_layers):
-            if seq.length[l] > length:
-                k = torch.cat(seq.k[l])[:length]
-                v = torch.cat(seq.v[l])[:length]
-                seq.k[l], seq.v[l], seq.length[l] = [k], [v], length
+            seq.length[l] = min(seq.length[l], length)
 
     def free(self, seq):
         seq.k = seq.v = None
 
     def attend(self, layer, q, k, v, segments):
-        B = len(segments)
-        dev, cd = self.device, self.compute_dtype
         for s in segments:  # write before attend
             if s.pos != s.seq.length[layer]:
                 raise ValueError(f"position {s.pos} is not the layer's length {s.seq.length[layer]}")
-            s.seq.k[layer].append(k[s.start:s.start + s.n].to(self.dtype).to(dev))
-            s.seq.v[layer].append(v[s.start:s.start + s.n].to(self.dtype).to(dev))
-            s.seq.length[layer] += s.n
+            s.seq.append(layer, k[s.start:s.start + s.n].to(self.dtype).to(self.device),
+                         v[s.start:s.start + s.n].to(self.dtype).to(self.device))
+        if self.kind == "varlen":
+            return self._attend_varlen(layer, q, segments)
+        return self._attend_padded(layer, q, segments)
+
+    def _attend_padded(self, layer, q, segments):
+        B = len(segments)
+        dev, cd = self.device, self.compute_dtype
         max_q = max(s.n for s in segments)
         max_kv = max(s.seq.length[layer] for s in segments)
         g = self.hq // self.hkv
@@ -143,22 +271,146 @@ class TorchAttention(AttentionBackend):
         V = torch.zeros(B, self.hq, max_kv, self.d, dtype=cd, device=dev)
         mask = torch.zeros(B, 1, max_q, max_kv, dtype=torch.bool, device=dev)
         for b, s in enumerate(segments):
-            kk = torch.cat(s.seq.k[layer]).to(cd)
-            vv = torch.cat(s.seq.v[layer]).to(cd)
+            kk, vv = s.seq.keys(layer)
             L = kk.shape[0]
             Q[b, :, :s.n] = q[s.start:s.start + s.n].to(self.dtype).to(dev, cd).transpose(0, 1)
-            K[b, :, :L] = kk.repeat_interleave(g, dim=1).transpose(0, 1)
-            V[b, :, :L] = vv.repeat_interleave(g, dim=1).transpose(0, 1)
+            K[b, :, :L] = kk.to(cd).repeat_interleave(g, dim=1).transpose(0, 1)
+            V[b, :, :L] = vv.to(cd).repeat_interleave(g, dim=1).transpose(0, 1)
             qpos = torch.arange(s.pos, s.pos + s.n, device=dev)
             mask[b, 0, :s.n, :L] = torch.arange(L, device=dev)[None, :] <= qpos[:, None]
         mask[:, :, :, 0] |= True  # padded query rows see one key: no NaN rows
         if self.sdpa is not None:
-            O = self.sdpa(Q, K, V, attn_mask=mask, scale=self.scale)
+            # SDPA's default scale is 1/sqrt(d); scale= exists from torch 2.1 only.
+            kw = {} if abs(self.scale - 1.0 / math.sqrt(self.d)) < 1e-12 else {"scale": self.scale}
+            O = self.sdpa(Q, K, V, attn_mask=mask, **kw)
         else:
             S = torch.matmul(Q, K.transpose(-1, -2)) * self.scale
             S = S.masked_fill(~mask, float("-inf"))
             O = torch.matmul(torch.softmax(S, dim=-1), V)
-        o = torch.empty(q.shape, dtype=torch.float32)
+        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32)
         for b, s in enumerate(segments):
             o[s.start:s.start + s.n] = O[b, :, :s.n].transpose(0, 1).to(self.dtype).float().cpu()
         return o
+
+    def _attend_varlen(self, layer, q, segments):
+        dev = self.device
+        Q = torch.cat([q[s.start:s.start + s.n] for s in segments]).to(self.dtype).to(dev).contiguous()
+        ks, vs = zip(*(s.seq.keys(layer) for s in segments))
+        K, V = torch.cat(ks).contiguous(), torch.cat(vs).contiguous()
+        nq = [s.n for s in segments]
+        nk = [k.shape[0] for k in ks]
+        cu_q = torch.tensor([0] + _cumsum(nq), dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0] + _cumsum(nk), dtype=torch.int32, device=dev)
+        O = None
+        if self._gqa_native:
+            try:
+                O = self._varlen(Q, K, V, cu_q, cu_k, max(nq), max(nk), **self._varlen_kw)
+            except (RuntimeError, ValueError) as e:  # a version that wants equal head counts
+                self._gqa_native = False
+                self.info["gqa"] = f"kv heads repeated ({str(e).splitlines()[0][:120]})"
+        if O is None:
+            g = self.hq // self.hkv
+            O = self._varlen(Q, K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1), cu_q, cu_k, max(nq),
+                             max(nk), **self._varlen_kw)
+        self.info.setdefault("gqa", "native")
+        O = O.to(self.dtype).float().cpu()
+        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32)
+        off = 0
+        for s in segments:
+            o[s.start:s.start + s.n] = O[off:off + s.n]
+            off += s.n
+        return o
+
+
+def _has_signature(fn) -> bool:
+    try:
+        inspect.signature(fn)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _cumsum(xs: Seq[int]) -> List[int]:
+    out, t = [], 0
+    for x in xs:
+        t += x
+        out.append(t)
+    return out
+
+
+class SequenceTable:
+    """Each request's sequence (a backend handle) and length, by request id: what a
+    serving engine keeps beside its scheduler. ``batch`` lays out a step from
+    ``(request id, new tokens)`` pairs at each request's current length; ``commit`` advances
+    the lengths once every layer has run the step."""
+
+    def __init__(self, backend: AttentionBackend):
+        self.backend = backend
+        self._seq: Dict[Hashable, Any] = {}
+        self._len: Dict[Hashable, int] = {}
+
+    def open(self, rid: Hashable) -> None:
+        if rid in self._seq:
+            raise KeyError(f"request {rid!r} is already open")
+        self._seq[rid] = self.backend.new_seq()
+        self._len[rid] = 0
+
+    def fork(self, rid: Hashable, new_rid: Hashable) -> None:
+        """``new_rid`` continues from ``rid``'s tokens (parallel sampling, beams)."""
+        if new_rid in self._seq:
+            raise KeyError(f"request {new_rid!r} is already open")
+        self._seq[new_rid] = self.backend.fork(self._seq[rid])
+        self._len[new_rid] = self._len[rid]
+
+    def truncate(self, rid: Hashable, length: int) -> None:
+        """Keeps the first ``length`` tokens (speculative rollback)."""
+        self.backend.truncate(self._seq[rid], length)
+        self._len[rid] = min(self._len[rid], length)
+
+    def close(self, rid: Hashable) -> None:
+        seq = self._seq.pop(rid)
+        del self._len[rid]
+        self.backend.free(seq)
+
+    def length(self, rid: Hashable) -> int:
+        return self._len[rid]
+
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._seq
+
+    def __len__(self) -> int:
+        return len(self._seq)
+
+    def batch(self, counts: Seq[Tuple[Hashable, int]]) -> Batch:
+        """The step's ``Batch``: request ``rid``'s ``n`` new rows follow the previous
+        request's, at positions [length, length + n)."""
+        segs, start = [], 0
+        for rid, n in counts:
+            if n <= 0:
+                raise ValueError(f"request {rid!r}: {n} new tokens")
+            segs.append(Segment(self._seq[rid], self._len[rid], start, n))
+            start += n
+        return Batch(segs, self.backend, [rid for rid, _ in counts])
+
+    def commit(self, batch: Batch) -> None:
+        for rid, s in zip(batch.rids, batch.segments):
+            self._len[rid] = s.pos + s.n
+
+
+class Attention(nn.Module):
+    """The attention core of decoder layer ``layer``: causal GQA attention of the step's new
+    rows over each sequence's cache, RoPE applied by the caller.
+
+    ``forward(q, k, v, batch)``: q ``[T, Hq, d]``, k and v ``[T, Hkv, d]`` (rows packed as
+    ``batch`` lays them out), returns o ``[T, Hq, d]`` float32. Every layer's call is one
+    call of ``batch.backend`` for the whole batch: through detattnd, ONE Forward."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return batch.backend.attend(self.layer, q, k, v, batch.segments)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}"

@@ -155,3 +155,105 @@ def test_no_daemon_is_unavailable(tmp_path):
         c.hello()
     assert e.value.code == 14
     c.close()
+
+
+def test_status_names_and_classes_mirror_the_c_api():
+    from detattn import _lib
+    from detattn.errors import _BY_CODE
+    for code in range(16):
+        assert _lib.lib.detattn_status_name(code).decode() == _lib.STATUS_NAMES[code]
+        if code:
+            cls = _BY_CODE[code]
+            e = detattn.errors.error(code, "x")
+            assert type(e) is cls and e.code == code and e.status == _lib.STATUS_NAMES[code]
+            assert issubclass(cls, detattn.DetattnError)
+    assert _lib.lib.detattn_status_name(99).decode() == "UNKNOWN_STATUS"
+    assert type(detattn.errors.error(99)) is detattn.DetattnError
+
+
+def test_flat_rows_and_torch_dtypes(url):
+    rng = np.random.default_rng(21)
+    q, k, v = rand(rng, 6, 4, 64), rand(rng, 6, 2, 64), rand(rng, 6, 2, 64)
+    with detattn.Client(url) as c:
+        with c.seq_open() as a:
+            (x,) = c.forward(0, [SeqIO(a, 0, q, k, v)])
+        with c.seq_open() as b:  # [n, heads * d] rows and float64 torch tensors: the same bits
+            (y,) = c.forward(0, [SeqIO(b, 0, torch.tensor(q.reshape(6, -1), dtype=torch.float64),
+                                       torch.tensor(k.reshape(6, -1)), torch.tensor(v).to(torch.bfloat16))])
+        assert np.array_equal(x.o, y.o.view(torch.int16).numpy().view(np.uint16))
+        with c.seq_open() as s:
+            with pytest.raises(detattn.InvalidArgument) as e:
+                c.forward(0, [SeqIO(s, 0, torch.ones(6, 4, 64, dtype=torch.int32), k, v)])
+            assert "floating-point" in e.value.message
+            with pytest.raises(detattn.InvalidArgument) as e:
+                c.forward(0, [SeqIO(s, 0, q, k[:5], v)])  # k has fewer rows than q
+            assert "expected [6, 2, 64]" in e.value.message
+            assert c.stats().forwards >= 2 and s.length == 0
+
+
+def test_close_waits_for_calls_in_flight(url):
+    rng = np.random.default_rng(8)
+    c = detattn.Client(url)
+    s = c.seq_open()
+    call = c.forward_async(0, [SeqIO(s, 0, rand(rng, 9, 4, 64), rand(rng, 9, 2, 64), rand(rng, 9, 2, 64))])
+    dropped = c.forward_async(1, [SeqIO(s, 0, rand(rng, 9, 4, 64), rand(rng, 9, 2, 64), rand(rng, 9, 2, 64))])
+    del dropped  # never waited: waited for when collected
+    c.close()  # waits for `call`; its result stays
+    assert call.done()
+    (o,) = call.result()
+    assert o.o.shape == (9, 4, 64) and s.length == 9
+    with pytest.raises(detattn.Cancelled):
+        c.forward(0, [SeqIO(s, 9, rand(rng, 1, 4, 64), rand(rng, 1, 2, 64), rand(rng, 1, 2, 64))])
+    s.close()  # a no-op: the daemon closed it with the connection
+    with detattn.Client(url) as c2:
+        assert c2.stats().sequences == 0
+
+
+def test_async_errors_and_planes_not_built(url):
+    rng = np.random.default_rng(2)
+    with detattn.Client(url) as c, c.seq_open() as s:
+        call = c.forward_async(0, [SeqIO(s, 3, rand(rng, 2, 4, 64), rand(rng, 2, 2, 64), rand(rng, 2, 2, 64))])
+        for _ in range(2):  # the same error each time
+            with pytest.raises(detattn.FailedPrecondition):
+                call.result()
+        assert s.length == 0
+    with pytest.raises(detattn.Unimplemented) as e:
+        detattn.Client(url, data_plane="cuda")
+    assert e.value.code == 12 and "CUDA" in e.value.message
+
+
+def test_import_without_numpy_or_torch(url, tmp_path):
+    """numpy and torch are optional: a process where neither can be imported (Debian's
+    torch itself needs numpy) still imports detattn, talks to the daemon, and gets a clear
+    error for tensors it cannot take."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "bare.py"
+    script.write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('numpy', 'torch'):\n"
+        "            raise ImportError(name + ' hidden by the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import detattn\n"
+        "from detattn import client\n"
+        "assert client.np is None and client.torch is None\n"
+        f"with detattn.Client({url!r}) as c, c.seq_open() as s:\n"
+        "    assert c.hello().model.n_q_heads == 4 and c.stats().sequences == 1\n"
+        "    try:\n"
+        "        c.forward(0, [detattn.SeqIO(s, 0, [[0.0]], [[0.0]], [[0.0]])])\n"
+        "    except detattn.InvalidArgument as e:\n"
+        "        assert 'without numpy' in e.message, e.message\n"
+        "    else:\n"
+        "        raise AssertionError('a list was taken without numpy')\n"
+        "    try:\n"
+        "        detattn.to_bf16([1.0])\n"
+        "    except ImportError as e:\n"
+        "        assert 'numpy' in str(e)\n"
+        "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -4,7 +4,8 @@ reproducibility run with exactly one completion for detattn."""
 
 import json
 
-import numpy as np
+import math
+
 import pytest
 import torch
 
@@ -13,7 +14,8 @@ from detattn import safetensors
 from detattn.engine import Engine, Request, generate
 from detattn.model import CONFIGS, Transformer
 from detattn.repro import main as repro_main
-from detattn.torch import DetattnAttention, Segment, TorchAttention
+from detattn.torch import (Attention, DetattnAttention, Segment, SequenceTable, TorchAttention,
+                           varlen_reference)
 
 CFG = CONFIGS["tiny"]
 
@@ -63,10 +65,12 @@ def test_generation_is_the_same_alone_chunked_and_batched(url, model):
     assert len(generate(model, ta, prompt, 12)) == 12
 
 
-def test_fork_for_parallel_sampling_and_rollback(url, model):
+@pytest.mark.parametrize("path", ["detattn", "torch"])
+def test_fork_for_parallel_sampling_and_rollback(url, model, path):
     prompt = list(range(1, 21))
     with detattn.Client(url) as c:
-        att = DetattnAttention(c)
+        att = DetattnAttention(c) if path == "detattn" else TorchAttention(CFG.n_layers, CFG.n_heads,
+                                                                           CFG.n_kv_heads, CFG.head_dim)
         eng = Engine(model, att)
         r = eng.add(Request(prompt, 8, temperature=0.8, seed=5))
         while len(r.out) < 3:
@@ -89,7 +93,7 @@ def test_fork_for_parallel_sampling_and_rollback(url, model):
         assert g.out == first
         for x in list(eng.running):
             eng.release(x)
-        assert c.stats().sequences == 0
+        assert len(eng.table) == 0 and c.stats().sequences == 0
 
 
 def test_safetensors_round_trip_and_bad_files(tmp_path, model):
@@ -120,3 +124,113 @@ def test_repro_gives_one_completion_through_detattn(url, tmp_path):
     assert r["distinct_completions"]["detattn"] == 1
     assert r["paths"]["detattn"]["two_processes_equal"] is True
     assert r["paths"]["torch"]["samples"] == 4
+
+
+def rows(g, n, heads):
+    return torch.randn(n, heads, CFG.head_dim, generator=g)
+
+
+def test_drop_in_module_over_a_sequence_table(url):
+    """The nn.Module with a SequenceTable: positions come from the table, every layer call
+    of a step is one Forward, and a request's rows are the same bits alone, chunked, inside
+    other requests' steps, after a fork and after a rollback."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v = rows(g, 30, 4), rows(g, 30, 2), rows(g, 30, 2)
+    oq, ok, ov = rows(g, 50, 4), rows(g, 50, 2), rows(g, 50, 2)
+    layers = [Attention(0), Attention(1)]
+    with detattn.Client(url) as c:
+        att = DetattnAttention(c)
+        t = SequenceTable(att)
+        t.open("alone")
+        b = t.batch([("alone", 30)])
+        alone = [m(q, k, v, b) for m in layers]
+        t.commit(b)
+        assert t.length("alone") == 30 and att.calls == 2
+        # "x" prefills in chunks of 7 while "o" prefills and decodes beside it.
+        t.open("x")
+        t.open("o")
+        got, x_at, o_at = [[], []], 0, 0
+        while x_at < 30:
+            n = min(7, 30 - x_at)
+            m_o = min(9 if o_at < 20 else 1, 50 - o_at)
+            b = t.batch([("o", m_o), ("x", n)])
+            assert b.positions().tolist() == list(range(o_at, o_at + m_o)) + list(range(x_at, x_at + n))
+            Q = torch.cat([oq[o_at:o_at + m_o], q[x_at:x_at + n]])
+            K = torch.cat([ok[o_at:o_at + m_o], k[x_at:x_at + n]])
+            V = torch.cat([ov[o_at:o_at + m_o], v[x_at:x_at + n]])
+            for i, m in enumerate(layers):
+                got[i].append(m(Q, K, V, b)[m_o:])
+            t.commit(b)
+            x_at, o_at = x_at + n, o_at + m_o
+        for i in range(2):
+            assert torch.equal(torch.cat(got[i]), alone[i])
+        # Fork (a beam) and rollback (speculation) through the table.
+        t.fork("x", "beam")
+        nq, nk, nv = rows(g, 1, 4), rows(g, 1, 2), rows(g, 1, 2)
+        b = t.batch([("x", 1), ("beam", 1)])
+        o = layers[0](torch.cat([nq, nq]), torch.cat([nk, nk]), torch.cat([nv, nv]), b)
+        layers[1](torch.cat([nq, nq]), torch.cat([nk, nk]), torch.cat([nv, nv]), b)
+        t.commit(b)
+        assert torch.equal(o[0], o[1]) and t.length("beam") == 31
+        t.truncate("x", 30)
+        b = t.batch([("x", 1)])
+        again = layers[0](nq, nk, nv, b)
+        assert torch.equal(again[0], o[0])
+        with pytest.raises(KeyError):
+            t.open("x")
+        for rid in ("alone", "x", "o", "beam"):
+            t.close(rid)
+        assert len(t) == 0 and c.stats().sequences == 0
+
+
+def test_varlen_packing_against_the_padded_path_and_detattn(url):
+    """TorchAttention(kind="varlen") packs a mixed step (prefill chunks and decodes) with
+    cumulative lengths and calls varlen_attn with a causal window and the kv heads as they
+    are; checked here with a float64 stand-in for the CUDA kernel, for both signatures torch
+    has had (is_causal in 2.10, window_size later)."""
+    seen = []
+
+    def new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        seen.append(("window", window_size, k.shape[1], max_q, max_k))
+        assert window_size == (-1, 0) and isinstance(window_size, tuple)
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    def old_api(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        seen.append(("causal", is_causal, k.shape[1], max_q, max_k))
+        assert is_causal
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, 1 / math.sqrt(q.shape[-1]))
+
+    g = torch.Generator().manual_seed(17)
+    steps = [[(0, 11), (1, 5)], [(0, 1), (1, 9), (2, 3)], [(0, 1), (1, 1), (2, 1)]]
+    data = [[(rows(g, n, 4), rows(g, n, 2), rows(g, n, 2)) for _, n in st] for st in steps]
+    outs = {}
+    with detattn.Client(url) as c:
+        backends = {"detattn": DetattnAttention(c),
+                    "padded": TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim),
+                    "new": TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind="varlen",
+                                          varlen_fn=new_api),
+                    "old": TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind="varlen",
+                                          varlen_fn=old_api)}
+        for name, be in backends.items():
+            t = SequenceTable(be)
+            for r in range(3):
+                t.open(r)
+            res = []
+            for st, d in zip(steps, data):
+                b = t.batch(st)
+                res.append(Attention(0)(*(torch.cat([x[i] for x in d]) for i in range(3)), b))
+                t.commit(b)
+            outs[name] = torch.cat(res)
+            for r in range(3):
+                t.close(r)
+    assert {s[2] for s in seen} == {2}  # kv heads as they are (GQA)
+    assert [s[3:] for s in seen if s[0] == "window"] == [(11, 11), (9, 14), (1, 15)]
+    assert torch.equal(outs["new"], outs["old"])
+    for name in ("new", "padded"):  # bf16 outputs: within a few units in the last place
+        err = (outs[name] - outs["detattn"]).abs().max() / outs["detattn"].abs().max()
+        assert err < 2e-2, (name, float(err))
+    info = backends["new"].info
+    assert info["kernel"] == "varlen_attn" and info["gqa"] == "native" and "window_size" in info["varlen_args"]
+    if not torch.cuda.is_available():  # the real kernel: CUDA (and torch >= 2.10) only
+        with pytest.raises(RuntimeError):
+            TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind="varlen")
