@@ -79,7 +79,7 @@ static void hist(sbuf *b, const char *name, const char *labels, const da_metrics
   int n = da_metrics_le_count(h->kind);
   double unit = h->kind == DA_METRICS_TIME ? 1e-9 : 1.0;
   for (int i = 0; i < n; i++)
-    put(b, "%s_bucket{%s%sle=\"%.9g\"} %llu\n", name, labels, sep,
+    put(b, "%s_bucket{%s%sle=\"%.12g\"} %llu\n", name, labels, sep,
         (double)da_metrics_le_bound(h->kind, i) * unit, (unsigned long long)h->le[i]);
   put(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, labels, sep, (unsigned long long)h->count);
   put(b, labels[0] ? "%s_sum{%s} %.9g\n" : "%s_sum%s %.9g\n", name, labels, h->sum * unit);
