@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -32,6 +33,59 @@ void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out)
   out->max = (double)h->max * scale;
   out->p50 = (double)da_hist_quantile(h, 0.5) * scale;
   out->p99 = (double)da_hist_quantile(h, 0.99) * scale;
+}
+
+#ifndef DA_SERVER_VERSION
+#define DA_SERVER_VERSION "0.0.0"
+#endif
+
+/* The metrics snapshot (http.h): called on the loop thread when /metrics, /healthz or
+ * /readyz is asked for. */
+static void metrics_fill(void *arg, da_metrics_snapshot *s) {
+  da_daemon *d = arg;
+  const da_backend_info *in = d->info;
+  uint64_t now = da_now_ns();
+  struct timespec wall;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  memset(s, 0, sizeof(*s));
+  snprintf(s->version, sizeof s->version, "%s", DA_SERVER_VERSION);
+  snprintf(s->backend, sizeof s->backend, "%s", in->name);
+  snprintf(s->arch, sizeof s->arch, "%s", in->arch);
+  s->kernel_version = in->kernel_version;
+  s->fingerprint = in->fingerprint;
+  s->device = d->cfg->device;
+  s->split_tokens = d->num.split_tokens;
+  s->page_tokens = d->cfg->page_tokens;
+  s->start_time_s = (double)wall.tv_sec + (double)wall.tv_nsec * 1e-9 - (double)(now - d->start_ns) * 1e-9;
+  s->backend_up = !d->fatal;
+  s->draining = d->draining;
+  memcpy(s->requests, d->op_codes, sizeof(s->requests));
+  for (int op = 0; op < DA_OP_COUNT; op++) da_metrics_hist_fill(&s->op_seconds[op], &d->op_ns[op], DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->queue_seconds, &d->queue_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->batch_run_seconds, &d->batch_run_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->batch_tokens, &d->batch_tokens, DA_METRICS_SIZE);
+  da_metrics_hist_fill(&s->batch_requests, &d->batch_requests, DA_METRICS_SIZE);
+  s->batches = d->batches;
+  s->forward_tokens = d->forward_tokens;
+  s->inrow_rows = d->inrow_rows;
+  s->partial_rows = d->partial_rows;
+  s->kv_pages_total = da_kvcache_pages_total(d->kv);
+  s->kv_pages_free = da_kvcache_pages_free(d->kv);
+  s->sequences = da_kvcache_seqs_open(d->kv);
+  s->clients = d->n_clients;
+  if (d->planes) {
+    int arenas = 0;
+    da_planes_usage(d->planes, 0, &arenas, &s->arena_bytes);
+    s->arenas = arenas;
+  }
+  if (d->tr) da_transport_counts_get(d->tr, &s->conn);
+  memcpy(s->tensor_bytes, d->tensor_bytes, sizeof(s->tensor_bytes));
+  s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
+  s->now_ns = now;
+  s->start_ns = d->start_ns;
+  s->mem_kv = in->kv_bytes;
+  s->mem_acc = in->acc_bytes;
+  s->mem_staging = in->staging_bytes;
 }
 
 /* ---- clients and sequences ---- */
@@ -280,6 +334,7 @@ static void submit(da_daemon *d, da_sched_batch *b) {
   da_hist_record(&d->batch_requests, (uint64_t)n_reqs);
   d->batches++;
   d->buf_busy[b - d->bufs] = 1;
+  if (d->n_running == 0) d->busy_since = now;
   d->n_running++;
   da_log_debug("batch %llu: %d tokens, %d requests; %d in the worker", (unsigned long long)d->batches,
                (int)b->tokens, n_reqs, d->n_running);
@@ -349,7 +404,7 @@ static void fail_batch(da_daemon *d, da_sched_batch *b, int code, const char *wh
  * requests it completes. */
 static void batch_done(da_daemon *d, da_sched_batch *b, int status, const da_batch_result *res) {
   d->buf_busy[b - d->bufs] = 0;
-  d->n_running--;
+  if (--d->n_running == 0) d->busy_ns += da_now_ns() - d->busy_since;
   if (status == 0) {
     d->inrow_rows += (uint64_t)res->inrow_rows;
     d->partial_rows += (uint64_t)res->partial_rows;
@@ -714,7 +769,17 @@ static int start(da_daemon *d) {
   uint64_t wd_us = 0;
   if (sd_watchdog_enabled(0, &wd_us) > 0 && wd_us > 0)
     uv_timer_start(&d->watchdog_timer, on_watchdog_timer, wd_us / 2000 + 1, wd_us / 2000 + 1);
-  fprintf(stderr, "listening on %s\n", da_transport_url(d->tr));
+  if (c->http_listen[0]) {
+    da_http_cfg hc = {.url = c->http_listen, .loop = &d->loop, .fill = metrics_fill, .arg = d};
+    if ((rv = da_http_open(&d->http, &hc, err, sizeof(err))) != 0) {
+      da_log_error("%s", err);
+      return rv;
+    }
+    da_log_field f = DA_LF_STR("url", da_http_url(d->http));
+    da_log_event(DA_LOG_INFO, "http_listening", &f, 1, "metrics and probes on %s (/metrics, /healthz, /readyz)",
+                 da_http_url(d->http));
+  }
+  da_log_listening(da_transport_url(d->tr));
   sd_notify(0, "READY=1");
   return 0;
 }
@@ -724,6 +789,8 @@ static void cleanup(da_daemon *d) {
   d->tr = NULL;
   da_planes_close(d->planes);
   d->planes = NULL;
+  da_http_close(d->http);
+  d->http = NULL;
   if (d->loop_inited) {
     if (d->n_handles > 0) close_handles(d);
     uv_run(&d->loop, UV_RUN_DEFAULT);
