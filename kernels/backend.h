@@ -24,7 +24,10 @@ typedef struct da_backend_cfg {
   int page_tokens;      /* tokens per page, a power of two in [8, 256] */
   int n_pages;          /* KV pool size in pages */
   int acc_slots;        /* accumulator pool slots; 0: backend default */
-  size_t staging_bytes; /* device backends: bytes per staging buffer; 0: default */
+  size_t staging_bytes; /* device backends: bytes per staging buffer; 0: sized from batch_tokens */
+  int batch_tokens;     /* device backends, with staging_bytes 0: staging is sized so that a batch of
+                         * this many query + appended tokens fits (info.max_batch_tokens >= it);
+                         * 0: the backend's default size */
   int n_threads;        /* CPU backend: worker threads, 0: number of online CPUs */
   int device;           /* CUDA backend: device ordinal */
   int poison;           /* tests: fill pools with NaN at create and accumulators per batch */
@@ -39,6 +42,8 @@ typedef struct da_backend_info {
   int acc_slots;
   size_t kv_bytes, acc_bytes, staging_bytes;
   int max_batch_tokens;    /* most query + appended tokens one batch may carry (staging) */
+  size_t mem_total;        /* device backends: the device's memory, and what was free once the */
+  size_t mem_free;         /* pools were taken; 0 when unknown (the CPU backend) */
 } da_backend_info;
 
 /* Copy a whole page (every layer, K and V) from src to dst: copy-on-write after fork. */

@@ -196,8 +196,31 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
   c->acc_bytes = (size_t)slots * (size_t)(m->head_dim + 1) * 4;
+  /* Per token: q in and o out (worst case), k and v in, page ids, lse. A buffer carries
+   * stage_bytes / 2 / per_tok tokens; the other half is for page tables and work items. */
+  const size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
   c->stage_bytes = cfg->staging_bytes > 0 ? cfg->staging_bytes : DEFAULT_STAGING;
+  if (cfg->staging_bytes == 0 && cfg->batch_tokens > 0 && 2 * per_tok * (size_t)cfg->batch_tokens > c->stage_bytes)
+    c->stage_bytes = 2 * per_tok * (size_t)cfg->batch_tokens;
   c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
+  {
+    /* Refuse up front, with the numbers, what cudaMalloc would refuse piecemeal. */
+    size_t mfree = 0, mtotal = 0;
+    CUDA_GOTO(NULL, cudaMemGetInfo(&mfree, &mtotal), fail);
+    const size_t reserve = (size_t)256 << 20; /* kernels, streams, the context's own needs */
+    const size_t rest = c->acc_bytes + 4 * c->stage_bytes + reserve;
+    if (c->kv_bytes + rest > mfree) {
+      long long fit = mfree > rest ? (long long)((mfree - rest) / (size_t)c->page_bytes) : 0;
+      snprintf(err, errlen,
+               "cuda: device %d has %zu MiB free; the pools need %zu MiB (KV %zu MiB for %d pages, accumulators "
+               "%zu MiB, staging 4 x %zu MiB) + %zu MiB reserve: at most %lld pages (%lld tokens) of KV fit",
+               cfg->device, mfree >> 20, (c->kv_bytes + c->acc_bytes + 4 * c->stage_bytes) >> 20, c->kv_bytes >> 20,
+               cfg->n_pages, c->acc_bytes >> 20, c->stage_bytes >> 20, reserve >> 20, fit,
+               fit * (long long)cfg->page_tokens);
+      rv = DETATTN_RESOURCE_EXHAUSTED;
+      goto fail;
+    }
+  }
 
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), fail);
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking), fail);
@@ -236,9 +259,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   info->kv_bytes = c->kv_bytes;
   info->acc_bytes = c->acc_bytes;
   info->staging_bytes = 4 * c->stage_bytes;
-  /* Per token: q in and o out (worst case), k and v in, page ids, lse. */
-  size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
-  info->max_batch_tokens = (int)((c->stage_bytes / 2) / per_tok);
+  size_t mt = (c->stage_bytes / 2) / per_tok;
+  info->max_batch_tokens = mt > INT32_MAX ? INT32_MAX : (int)mt;
+  if (cudaMemGetInfo(&info->mem_free, &info->mem_total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    info->mem_free = info->mem_total = 0;
+  }
   c->args.n_layers = m->n_layers;
   *out = c;
   return 0;
