@@ -620,22 +620,44 @@ static int open_backend(da_daemon *d) {
   }
   da_backend_cfg bc = {.model = d->model, .num = d->num, .page_tokens = c->page_tokens,
                        .n_pages = (int)n_pages, .acc_slots = c->acc_slots,
-                       .staging_bytes = (size_t)c->staging_mib << 20, .n_threads = c->threads,
-                       .device = c->device};
-  char err[256] = "";
+                       .staging_bytes = (size_t)c->staging_mib << 20, .batch_tokens = c->max_batch_tokens,
+                       .n_threads = c->threads, .device = c->device};
+  char err[512] = "";
   int rv = da_backend_open(&d->be, da_config_backend_name(c), &bc, err, sizeof(err));
   if (rv != 0) {
-    da_log_error("backend %s: %s (%s)", da_config_backend_name(c), err, detattn_status_name(rv));
+    da_log_field f[] = {DA_LF_STR("backend", da_config_backend_name(c)), DA_LF_STR("error", err),
+                        DA_LF_STR("status", detattn_status_name(rv))};
+    da_log_event(DA_LOG_ERROR, "backend_failed", f, 3, "backend %s: %s (%s)%s", da_config_backend_name(c), err,
+                 detattn_status_name(rv),
+                 rv == DETATTN_RESOURCE_EXHAUSTED ? "; lower --kv-tokens (or --acc-slots, --staging-mib)" : "");
     return rv;
   }
   d->info = da_backend_get_info(d->be);
   const da_backend_info *in = d->info;
-  da_log_info("backend %s (%s), kernel version %u, S=%d T=%d, fingerprint %016llx", in->name, in->arch,
-              in->kernel_version, d->num.split_tokens, d->num.tile_tokens,
-              (unsigned long long)in->fingerprint);
-  da_log_info("KV cache: %lld tokens in %d pages (%.1f MiB); accumulators: %d slots; staging: %.1f MiB",
-              (long long)in->n_pages * c->page_tokens, in->n_pages, (double)in->kv_bytes / 1048576.0,
-              in->acc_slots, (double)in->staging_bytes / 1048576.0);
+  char fp[20];
+  snprintf(fp, sizeof fp, "%016llx", (unsigned long long)in->fingerprint);
+  da_log_field fb[] = {DA_LF_STR("backend", in->name), DA_LF_STR("arch", in->arch),
+                       DA_LF_INT("kernel_version", in->kernel_version), DA_LF_INT("split_tokens", d->num.split_tokens),
+                       DA_LF_INT("tile_tokens", d->num.tile_tokens), DA_LF_STR("fingerprint", fp),
+                       DA_LF_INT("device", c->device)};
+  da_log_event(DA_LOG_INFO, "backend", fb, 7, "backend %s (%s), kernel version %u, S=%d T=%d, fingerprint %s",
+               in->name, in->arch, in->kernel_version, d->num.split_tokens, d->num.tile_tokens, fp);
+  char staging_src[96] = "";
+  if (in->staging_bytes > 0)
+    snprintf(staging_src, sizeof staging_src, c->staging_mib > 0 ? " (--staging-mib %d)" : " (sized from --max-batch-tokens %d)",
+             c->staging_mib > 0 ? c->staging_mib : c->max_batch_tokens);
+  da_log_field fp_[] = {DA_LF_INT("kv_tokens", (int64_t)in->n_pages * c->page_tokens), DA_LF_INT("kv_pages", in->n_pages),
+                        DA_LF_INT("kv_bytes", in->kv_bytes), DA_LF_INT("acc_slots", in->acc_slots),
+                        DA_LF_INT("acc_bytes", in->acc_bytes), DA_LF_INT("staging_bytes", in->staging_bytes),
+                        DA_LF_INT("max_batch_tokens", in->max_batch_tokens),
+                        DA_LF_INT("device_mem_total", in->mem_total), DA_LF_INT("device_mem_free", in->mem_free)};
+  da_log_event(DA_LOG_INFO, "pools", fp_, 9,
+               "KV cache: %lld tokens in %d pages (%.1f MiB); accumulators: %d slots; staging: %.1f MiB%s",
+               (long long)in->n_pages * c->page_tokens, in->n_pages, (double)in->kv_bytes / 1048576.0, in->acc_slots,
+               (double)in->staging_bytes / 1048576.0, staging_src);
+  if (in->mem_total > 0)
+    da_log_info("device memory: %.1f GiB, %.1f GiB free after the pools", (double)in->mem_total / 1073741824.0,
+                (double)in->mem_free / 1073741824.0);
   return 0;
 }
 
@@ -682,14 +704,24 @@ static int start(da_daemon *d) {
     da_log_error("KV cache bookkeeping: %s", detattn_status_name(rv));
     return rv;
   }
+  if ((int64_t)d->info->n_pages * c->page_tokens < c->max_request_tokens)
+    da_log_warn("the KV cache holds %lld tokens, fewer than --max-request-tokens %d: the largest requests will get "
+                "RESOURCE_EXHAUSTED; raise --kv-tokens to at least %d or lower --max-request-tokens",
+                (long long)d->info->n_pages * c->page_tokens, c->max_request_tokens, c->max_request_tokens);
   d->max_seqs = c->max_seqs;
   d->seqs = calloc((size_t)d->max_seqs, sizeof(*d->seqs));
   if (d->seqs == NULL) return DETATTN_RESOURCE_EXHAUSTED;
   int budget = c->max_batch_tokens;
   if (d->info->max_batch_tokens > 0 && d->info->max_batch_tokens < budget) {
-    if (d->info->max_batch_tokens < c->max_request_tokens + c->split_tokens) {
-      da_log_error("the backend carries at most %d tokens per batch; max-request-tokens + split-tokens is %d",
-                   d->info->max_batch_tokens, c->max_request_tokens + c->split_tokens);
+    int need = c->max_request_tokens + c->split_tokens;
+    if (d->info->max_batch_tokens < need) {
+      /* Staging grows linearly with the tokens it carries. */
+      double per_tok = (double)d->info->staging_bytes / 4.0 / (double)(d->info->max_batch_tokens > 0 ? d->info->max_batch_tokens : 1);
+      long long mib = (long long)(per_tok * need / 1048576.0) + 1;
+      int fit = d->info->max_batch_tokens - c->split_tokens;
+      da_log_error("the backend's staging carries at most %d tokens per batch; max-request-tokens + split-tokens is %d: "
+                   "raise --staging-mib to at least %lld (or 0: sized from --max-batch-tokens), or lower "
+                   "--max-request-tokens to %d", d->info->max_batch_tokens, need, mib, fit > 1 ? fit : 1);
       return DETATTN_INVALID_ARGUMENT;
     }
     budget = d->info->max_batch_tokens;
