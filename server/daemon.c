@@ -86,6 +86,8 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
   s->mem_kv = in->kv_bytes;
   s->mem_acc = in->acc_bytes;
   s->mem_staging = in->staging_bytes;
+  s->mem_total = in->mem_total;
+  s->mem_free = in->mem_free;
 }
 
 /* ---- clients and sequences ---- */
