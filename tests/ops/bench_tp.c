@@ -155,9 +155,14 @@ int main(int argc, char **argv) {
   }
   da_daemon_proc d[3];
   const char *heads[3][2] = {{"32", "8"}, {"16", "4"}, {"16", "4"}};
+  /* Per mode: 32 sequences of ctx + iters / LAYERS tokens; daemon 0 serves two modes. */
+  long per_mode = 32L * (ctx + iters / LAYERS + 32) + 1024;
+  char kv[2][24];
+  snprintf(kv[0], sizeof kv[0], "%ld", 2 * per_mode);
+  snprintf(kv[1], sizeof kv[1], "%ld", per_mode);
   for (int i = 0; i < 3; i++) {
     const char *args[] = {"--layers", "4", "--q-heads", heads[i][0], "--kv-heads", heads[i][1], "--head-dim", "128",
-                          "--page-tokens", "16", "--kv-tokens", "131072", "--split-tokens", "512", "--tile-tokens",
+                          "--page-tokens", "16", "--kv-tokens", kv[i > 0], "--split-tokens", "512", "--tile-tokens",
                           "64", "--backend", backend, "--device", dev[i], "--max-seqs", "256", NULL};
     if (da_daemon_start(&d[i], DETATTND_PATH, args) != 0) {
       fprintf(stderr, "bench_tp: daemon %d did not start\n", i);
