@@ -3,8 +3,9 @@
 #  1. a Debian 12 minbase rootfs (debootstrap), imported once as localhost/debian:bookworm-minbase;
 #  2. deploy/container/Containerfile with buildah (vfs storage), from the files git tracks or
 #     sees (build directories and ignored files stay out);
-#  3. podman runs the image: --help, then a CPU daemon, `detattn hello` and GET /readyz from
-#     inside the container, and SIGTERM must drain it to exit 0.
+#  3. the image's entrypoint runs from its rootfs (a chroot, as the image's user): --help, a
+#     CPU daemon, `detattn hello` on its ipc socket, GET /readyz, and SIGTERM must drain it
+#     to exit 0.
 # Usage: deploy/container/build.sh [cpu|cuda] [tag] [oci-archive path]
 #   cuda bind-mounts the host's /usr/local/cuda (nvcc 13) into the build stage.
 set -euo pipefail
@@ -15,11 +16,7 @@ archive=${3:-}
 st=(--storage-driver vfs)
 base=localhost/debian:bookworm-minbase
 work=$(mktemp -d /tmp/detattn-image-XXXXXX)
-name=detattnd-smoke-$$
-cleanup() {
-  podman "${st[@]}" rm -f "$name" > /dev/null 2>&1 || true
-  rm -rf "$work"
-}
+cleanup() { rm -rf "$work"; }
 trap cleanup EXIT
 
 if ! podman "${st[@]}" image exists "$base"; then
@@ -41,28 +38,54 @@ if [ "$variant" = cuda ]; then
 fi
 echo "== buildah bud -t $tag"
 t0=$(date +%s)
-buildah "${st[@]}" bud --network host --layers=false -f deploy/container/Containerfile "${args[@]}" -t "$tag" \
+buildah "${st[@]}" bud --isolation chroot --network host --layers=false -f deploy/container/Containerfile "${args[@]}" -t "$tag" \
   "$work/ctx" > "$work/bud.log" 2>&1 || { tail -40 "$work/bud.log"; exit 1; }
 echo "built in $(( $(date +%s) - t0 )) s: $(podman "${st[@]}" image inspect --format '{{.Id}} {{.Size}} bytes' "$tag")"
 
 echo "== smoke test"
-podman "${st[@]}" run --rm --network none "$tag" --help | head -2
-podman "${st[@]}" run -d --name "$name" --network none "$tag" --backend cpu --layers 2 --q-heads 4 --kv-heads 2 \
-  --head-dim 64 --kv-tokens 1024 --threads 1 --listen ipc:///run/detattn/detattnd.sock \
-  --http-listen http://127.0.0.1:9400 --log-format json > /dev/null
+# The image's rootfs runs its entrypoint in a chroot as the image's user (podman run needs an
+# OCI runtime with cgroups, which some build machines lack; buildah's chroot isolation does
+# not). The entrypoint, user and environment are read from the image's config.
+ctr=$(buildah "${st[@]}" from "$tag")
+mnt=$(buildah "${st[@]}" mount "$ctr")
+cleanup_smoke() {
+  [ -n "${dpid:-}" ] && kill -KILL "$dpid" 2> /dev/null || true
+  buildah "${st[@]}" umount "$ctr" > /dev/null 2>&1 || true
+  buildah "${st[@]}" rm "$ctr" > /dev/null 2>&1 || true
+}
+trap 'cleanup_smoke; cleanup' EXIT
+entry=$(buildah "${st[@]}" inspect --format '{{index .OCIv1.Config.Entrypoint 0}}' "$ctr")
+user=$(buildah "${st[@]}" inspect --format '{{.OCIv1.Config.User}}' "$ctr")
+ldpath=$(buildah "${st[@]}" inspect --format '{{range .OCIv1.Config.Env}}{{println .}}{{end}}' "$ctr" |
+  sed -n 's/^LD_LIBRARY_PATH=//p')
+echo "entrypoint $entry, user $user, LD_LIBRARY_PATH $ldpath"
+[ "$entry" = /usr/local/bin/detattnd ] && [ "$user" = 10001:10001 ] || { echo "FAIL: unexpected image config"; exit 1; }
+in_image() { env -i LD_LIBRARY_PATH="$ldpath" PATH=/usr/local/bin:/usr/bin:/bin "$(command -v chroot)" --userspec="$user" "$mnt" "$@"; }
+in_image "$entry" --help > "$work/help.txt"
+head -2 "$work/help.txt"
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# Started directly (not through in_image) so that $! is the daemon itself: env and chroot exec.
+env -i LD_LIBRARY_PATH="$ldpath" "$(command -v chroot)" --userspec="$user" "$mnt" "$entry" --backend cpu --layers 2 \
+  --q-heads 4 --kv-heads 2 --head-dim 64 --kv-tokens 1024 --threads 1 --listen ipc:///run/detattn/detattnd.sock \
+  --http-listen "http://127.0.0.1:$port" --log-format json 2> "$work/daemon.log" &
+dpid=$!
 for _ in $(seq 100); do
-  podman "${st[@]}" logs "$name" 2>&1 | grep -q '"event":"listening"' && break
+  grep -q '"event":"listening"' "$work/daemon.log" && break
   sleep 0.1
 done
-podman "${st[@]}" logs "$name" 2>&1 | head -5
-podman "${st[@]}" exec "$name" detattn --url ipc:///run/detattn/detattnd.sock hello | head -3
-ready=$(podman "${st[@]}" exec "$name" bash -c 'exec 3<>/dev/tcp/127.0.0.1/9400; printf "GET /readyz HTTP/1.0\r\n\r\n" >&3; cat <&3' | tr -d '\r')
-echo "$ready" | head -1
-echo "$ready" | grep -q '^ready$' || { echo "FAIL: /readyz: $ready"; exit 1; }
-podman "${st[@]}" stop -t 10 "$name" > /dev/null
-code=$(podman "${st[@]}" inspect --format '{{.State.ExitCode}}' "$name")
-[ "$code" = 0 ] || { echo "FAIL: exit $code after SIGTERM"; podman "${st[@]}" logs "$name" | tail -5; exit 1; }
-echo "PASS: the image serves, answers /readyz and drains on SIGTERM (exit 0)"
+head -4 "$work/daemon.log"
+in_image detattn --url ipc:///run/detattn/detattnd.sock hello > "$work/hello.txt" || { echo "FAIL: hello"; exit 1; }
+head -3 "$work/hello.txt"
+ready=$(exec 3<> "/dev/tcp/127.0.0.1/$port"; printf 'GET /readyz HTTP/1.0\r\n\r\n' >&3; cat <&3 | tr -d '\r')
+echo "GET /readyz: $(echo "$ready" | head -1) / $(echo "$ready" | tail -1)"
+echo "$ready" | grep -q '^ready$' || { echo "FAIL: /readyz"; exit 1; }
+kill -TERM "$dpid"
+code=0
+wait "$dpid" || code=$?
+dpid=
+[ "$code" = 0 ] || { echo "FAIL: exit $code after SIGTERM"; tail -5 "$work/daemon.log"; exit 1; }
+tail -1 "$work/daemon.log"
+echo "PASS: the image's daemon serves, answers /readyz and drains on SIGTERM (exit 0)"
 if [ -n "$archive" ]; then
   podman "${st[@]}" save --format oci-archive -o "$archive" "$tag"
   echo "saved $archive"
