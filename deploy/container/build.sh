@@ -34,7 +34,10 @@ git ls-files -co --exclude-standard -z | tar --null -T - -c | tar -x -C "$work/c
 args=(--build-arg "BASE=$base")
 if [ "$variant" = cuda ]; then
   [ -x /usr/local/cuda/bin/nvcc ] || { echo "cuda: no nvcc at /usr/local/cuda"; exit 1; }
-  args+=(--build-arg CUDA=ON -v /usr/local/cuda:/usr/local/cuda:ro)
+  # The toolkit at its own path too: some of its links are absolute (/usr/local/cuda-13.0/...).
+  real=$(readlink -f /usr/local/cuda)
+  args+=(--build-arg CUDA=ON -v "$real:/usr/local/cuda:ro")
+  [ "$real" = /usr/local/cuda ] || args+=(-v "$real:$real:ro")
 fi
 echo "== buildah bud -t $tag"
 t0=$(date +%s)
