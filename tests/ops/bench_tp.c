@@ -4,14 +4,16 @@
  * Starts three daemons of one model (32 q / 8 kv heads, d 128, bf16, 4 layers): one with
  * every head, and two ranks of 16 q / 4 kv heads each, all on one backend (and on CUDA on
  * --device 0 unless --devices A,B,C says otherwise). Then times, per layer call, the same
- * work three ways, interleaved call by call so that drift hits all three alike:
+ * work three ways, each mode's calls back to back (--order blocks, the default: a serving
+ * stack's steady state) or taking turns call by call (--order interleaved: a daemon then
+ * idles while the others run, and wakes up cold for its next call):
  *   one    detattn_forward on the daemon with every head
  *   tp2    detattn_tp_forward over the two ranks (gather, fan out, wait, scatter)
  *   tp1    detattn_tp_forward over the one daemon (the TP wrapper alone)
  * Cases: decode at B sequences x 1 token at context L, and a 512-token prefill chunk. It
  * also compares every o of `one` and `tp2` bitwise. Prints a markdown table.
  *
- * Usage: bench_tp [--backend cpu|cuda] [--devices 0,0,0] [--iters N] [--ctx L]
+ * Usage: bench_tp [--backend cpu|cuda] [--devices 0,0,0] [--iters N] [--ctx L] [--order blocks|interleaved]
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,20 +63,30 @@ static int seq_trunc(mode *m, uint64_t s, uint32_t len) {
 }
 static int seq_close(mode *m, uint64_t s) { return m->tp ? detattn_tp_seq_close(m->tp, s) : detattn_seq_close(m->c, s); }
 
-/* Runs iters layer calls of B sequences x n tokens per mode (prefill: n = 512, pos 0, the
- * sequences truncated back to 0 between calls; decode: contexts grow by one per step). */
-static void run_case(mode *ms, int n_modes, int B, int n, int ctx, int iters, long *mismatch) {
+static uint64_t fnv(const void *p, size_t n) {
+  const unsigned char *b = p;
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* Runs iters layer calls of B sequences x n tokens per mode (prefill: n = 512 at pos 0, the
+ * sequences truncated back to 0 between calls; decode: contexts grow by one token per step
+ * of LAYERS calls). interleave: the modes take turns call by call; otherwise each mode runs
+ * its calls back to back (a serving stack's steady state), one mode after the other. The
+ * outputs of modes 0 and 1 are compared call by call (hashes). */
+static void run_case(mode *ms, int n_modes, int B, int n, int ctx, int iters, int interleave, long *mismatch) {
   size_t qn = (size_t)B * n * HQ * D, kn = (size_t)B * n * HKV * D;
-  uint16_t *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2);
-  uint16_t *o[3];
-  for (int i = 0; i < n_modes; i++) o[i] = malloc(qn * 2);
+  uint16_t *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2), *o = malloc(qn * 2);
+  uint64_t *hash[3];
+  for (int i = 0; i < n_modes; i++) hash[i] = calloc((size_t)iters + 10, sizeof(uint64_t));
   da_rng r;
   da_rng_seed(&r, 4242);
   da_rng_fill(&r, DA_BF16, q, qn, 1.0);
   da_rng_fill(&r, DA_BF16, k, kn, 1.0);
   da_rng_fill(&r, DA_BF16, v, kn, 1.0);
   int prefill = n > 1;
-  uint32_t pos[64];
+  uint32_t pos[3][64];
   detattn_seq_io io[64];
   /* Sequences: decode ones are prefilled to ctx first (chunks of 512, every layer). */
   for (int mi = 0; mi < n_modes; mi++) {
@@ -83,6 +95,7 @@ static void run_case(mode *ms, int n_modes, int B, int n, int ctx, int iters, lo
     for (int b = 0; b < B; b++) {
       int st = seq_open(m, &m->seq[b]);
       if (st) die("seq_open", st);
+      pos[mi][b] = prefill ? 0 : (uint32_t)ctx;
     }
     da_rng_seed(&r, 777); /* the same contexts in every mode */
     if (!prefill)
@@ -104,46 +117,50 @@ static void run_case(mode *ms, int n_modes, int B, int n, int ctx, int iters, lo
           free(big_o);
         }
   }
-  for (int b = 0; b < B; b++) pos[b] = prefill ? 0 : (uint32_t)ctx;
-  for (int it = 0; it < iters + 10; it++) {
-    uint32_t layer = prefill ? 0 : (uint32_t)(it % LAYERS);
-    for (int mi = 0; mi < n_modes; mi++) {
+  int outer = interleave ? iters + 10 : n_modes, inner = interleave ? n_modes : iters + 10;
+  for (int a = 0; a < outer; a++)
+    for (int c = 0; c < inner; c++) {
+      int it = interleave ? a : c, mi = interleave ? c : a;
       mode *m = &ms[mi];
+      uint32_t layer = prefill ? 0 : (uint32_t)(it % LAYERS);
       for (int b = 0; b < B; b++)
-        io[b] = (detattn_seq_io){.seq = m->seq[b], .pos = pos[b], .n_tokens = (uint32_t)n,
+        io[b] = (detattn_seq_io){.seq = m->seq[b], .pos = pos[mi][b], .n_tokens = (uint32_t)n,
                                  .q = q + (size_t)b * n * HQ * D, .k = k + (size_t)b * n * HKV * D,
-                                 .v = v + (size_t)b * n * HKV * D, .o = o[mi] + (size_t)b * n * HQ * D};
+                                 .v = v + (size_t)b * n * HKV * D, .o = o + (size_t)b * n * HQ * D};
       uint64_t t0 = da_now_ns();
       int st = call(m, layer, io, (size_t)B);
       uint64_t t1 = da_now_ns();
       if (st) die(m->name, st);
       if (it >= 10) m->lat[m->n_lat++] = t1 - t0;
+      hash[mi][it] = fnv(o, qn * 2);
       if (prefill)
         for (int b = 0; b < B; b++) {
           st = seq_trunc(m, m->seq[b], 0);
           if (st) die("truncate", st);
         }
+      else if (layer == LAYERS - 1)
+        for (int b = 0; b < B; b++) pos[mi][b]++;
     }
-    if (n_modes > 1 && memcmp(o[0], o[1], qn * 2) != 0) (*mismatch)++;
-    if (!prefill && layer == LAYERS - 1)
-      for (int b = 0; b < B; b++) pos[b]++;
-  }
-  for (int mi = 0; mi < n_modes; mi++)
+  for (int it = 0; n_modes > 1 && it < iters + 10; it++) *mismatch += hash[0][it] != hash[1][it];
+  for (int mi = 0; mi < n_modes; mi++) {
     for (int b = 0; b < B; b++) seq_close(&ms[mi], ms[mi].seq[b]);
+    free(hash[mi]);
+  }
   free(q);
   free(k);
   free(v);
-  for (int i = 0; i < n_modes; i++) free(o[i]);
+  free(o);
 }
 
 int main(int argc, char **argv) {
   const char *backend = "cpu", *devices = "0,0,0";
-  int iters = 200, ctx = 1024;
+  int iters = 200, ctx = 1024, interleave = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (strcmp(argv[i], "--backend") == 0) backend = argv[i + 1];
     else if (strcmp(argv[i], "--devices") == 0) devices = argv[i + 1];
     else if (strcmp(argv[i], "--iters") == 0) iters = atoi(argv[i + 1]);
     else if (strcmp(argv[i], "--ctx") == 0) ctx = atoi(argv[i + 1]);
+    else if (strcmp(argv[i], "--order") == 0) interleave = strcmp(argv[i + 1], "interleaved") == 0;
   }
   int cuda = strcmp(backend, "cuda") == 0;
   char dev[3][8];
@@ -180,8 +197,9 @@ int main(int argc, char **argv) {
   detattn_server_info info;
   detattn_hello(ms[0].c, &info);
   printf("bench_tp: backend %s (%s), model %d q / %d kv heads, d %d, %d layers; tp2 = 2 daemons of 16 / 4 heads "
-         "(devices %s); %d calls per mode, interleaved; plane %s\n\n",
+         "(devices %s); %d calls per mode, %s; plane %s\n\n",
          info.backend, info.arch, HQ, HKV, D, LAYERS, devices, iters,
+         interleave ? "interleaved call by call" : "each mode's calls back to back",
          detattn_data_plane_name(detattn_data_plane_get(ms[0].c)));
   printf("| case | one p50 us | tp2 p50 us | tp2 / one | tp1 p50 us | one p99 us | tp2 p99 us | o differ |\n");
   printf("|---|--:|--:|--:|--:|--:|--:|--:|\n");
@@ -191,7 +209,7 @@ int main(int argc, char **argv) {
   } cases[] = {{"decode B1", 1, 1}, {"decode B8", 8, 1}, {"decode B32", 32, 1}, {"prefill 512", 1, 512}};
   for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
     long mismatch = 0;
-    run_case(ms, 3, cases[c].B, cases[c].n, ctx, iters, &mismatch);
+    run_case(ms, 3, cases[c].B, cases[c].n, ctx, iters, interleave, &mismatch);
     double p50[3], p99[3];
     for (int i = 0; i < 3; i++) {
       p99[i] = pct(ms[i].lat, ms[i].n_lat, 0.99);

@@ -2,10 +2,12 @@
 # On the GPU machine (run tool), in one call: build detattnd, the CLI, test_tp and bench_tp
 # for sm_90; run the README's GPU example (ops_readme_gpu_example) and TP over two CUDA
 # daemons on one device against one daemon, bitwise (tp_cuda_*); then bench_tp (one daemon
-# vs TP over two on the same GPU). Logs under $OUT; a short summary last.
-# Usage: bash tests/ops/run_gpu_ops.sh [bench iterations]
+# vs TP over two on the same GPU, each mode's calls back to back, then interleaved). Logs
+# under $OUT; a short summary last.
+# Usage: bash tests/ops/run_gpu_ops.sh [all|bench] [bench iterations]
 set -u
-iters=${1:-300}
+what=${1:-all}
+iters=${2:-200}
 OUT=${OUT:-/tmp/detattn-gpu-ops}
 mkdir -p "$OUT"
 if [ -f .devdeps/unpack.sh ]; then
@@ -20,11 +22,14 @@ cmake --build build-gpu-ops --target detattnd detattn_cli test_tp bench_tp -j16 
   { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s" | tee "$OUT/summary.txt"
 rc=0
-ctest --test-dir build-gpu-ops -L gpu -R "ops_readme_gpu_example|tp_cuda_" -V > "$OUT/ctest.log" 2>&1 || rc=1
+[ "$what" = bench ] || ctest --test-dir build-gpu-ops -L gpu -R "ops_readme_gpu_example|tp_cuda_" -V > "$OUT/ctest.log" 2>&1 || rc=1
 grep -E "Test +#|tests passed|README example flags|staging|KV cache|device memory|rows compared|PASS|FAIL|Failed|skip" \
   "$OUT/ctest.log" | tail -30 | tee -a "$OUT/summary.txt"
-build-gpu-ops/bin/bench_tp --backend cuda --iters "$iters" --ctx 4096 > "$OUT/bench_tp.md" 2> "$OUT/bench_tp.err" || rc=1
-cat "$OUT/bench_tp.md" | tee -a "$OUT/summary.txt"
+for order in blocks interleaved; do
+  build-gpu-ops/bin/bench_tp --backend cuda --iters "$iters" --ctx 4096 --order $order > "$OUT/bench_tp_$order.md" \
+    2> "$OUT/bench_tp.err" || rc=1
+  tee -a "$OUT/summary.txt" < "$OUT/bench_tp_$order.md"
+done
 tail -5 "$OUT/bench_tp.err"
 cat "$OUT/gpu.txt"
 exit $rc
