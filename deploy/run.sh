@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 bash deploy/install-deps.sh
 build=build
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" -j "$(nproc)" --target detattnd detattn_cli
+cmake --build "$build" -j "$(nproc)" --target detattnd detattn_cli detattn
+bash deploy/install-python.sh "$build"
 dir=$(mktemp -d)
 url="ipc://$dir/detattnd.sock"
 "$build/bin/detattnd" --listen "$url" --backend cpu --layers 4 --q-heads 8 --kv-heads 2 \

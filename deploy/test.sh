@@ -10,4 +10,7 @@ build=${1:-build}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DDETATTN_SANITIZE="${DETATTN_SANITIZE:-OFF}" -DDETATTN_CUDA="${DETATTN_CUDA:-AUTO}" >/dev/null
 cmake --build "$build" -j "$(nproc)"
+# The Python package and the library it loads (not from a sanitizer build: Python could not
+# load it).
+[ "${DETATTN_SANITIZE:-OFF}" = ON ] || bash deploy/install-python.sh "$build"
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)" --timeout 600

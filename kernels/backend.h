@@ -24,10 +24,8 @@ typedef struct da_backend_cfg {
   int page_tokens;      /* tokens per page, a power of two in [8, 256] */
   int n_pages;          /* KV pool size in pages */
   int acc_slots;        /* accumulator pool slots; 0: backend default */
-  size_t staging_bytes; /* device backends: bytes per staging buffer; 0: sized from batch_tokens */
-  int batch_tokens;     /* device backends, with staging_bytes 0: staging is sized so that a batch of
-                         * this many query + appended tokens fits (info.max_batch_tokens >= it);
-                         * 0: the backend's default size */
+  size_t staging_bytes; /* device backends: bytes per staging buffer; 0: sized for max_batch_tokens */
+  int max_batch_tokens; /* the most query + appended tokens one batch will carry (0: unknown) */
   int n_threads;        /* CPU backend: worker threads, 0: number of online CPUs */
   int device;           /* CUDA backend: device ordinal */
   int poison;           /* tests: fill pools with NaN at create and accumulators per batch */

@@ -121,6 +121,10 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply);
 /* Frees a finished call (its context, aio and outputs table). NULL is a no-op. */
 void da_call_free(detattn_call *k);
 uint64_t da_client_next_id(detattn_client *c);
+/* Decodes reply bytes for Forward call k and writes its outputs, checking everything a
+ * hostile daemon could get wrong (length, id, status, kind, sizes). The body of
+ * detattn_call_wait after the transport; the client fuzzer calls it directly. */
+int da_call_deliver(detattn_call *k, const void *buf, size_t len);
 /* Stores a Hello reply as the client's cached server info (until the connection drops).
  * The first one is pinned: a later Hello (after a reconnect) whose model or numerics differ
  * from it is refused with DETATTN_FAILED_PRECONDITION (message set) and nothing changes, so

@@ -61,24 +61,19 @@ static size_t reply_bound(const detattn_call *k) {
   return n > SIZE_MAX ? SIZE_MAX : (size_t)n;
 }
 
-/* Waits for the transport, decodes the Response and checks its id, status and kind.
- * On DETATTN_OK *out is the decoded Response (free with response_free). */
-static int finish_response(detattn_call *k, Response **out, budget *b) {
-  nng_msg *m = NULL;
+/* Decodes reply bytes for call k and checks their length, id, status and kind. On
+ * DETATTN_OK *out is the decoded Response (its allocator draws on b). */
+static int decode_response(detattn_call *k, const void *buf, size_t len, Response **out, budget *b) {
   int st;
 
   *out = NULL;
-  if ((st = da_call_transport_wait(k, &m)) != DETATTN_OK) return st;
-  size_t len = nng_msg_len(m), bound = reply_bound(k);
-  if (len > bound) {
-    nng_msg_free(m);
+  size_t bound = reply_bound(k);
+  if (len > bound)
     return da_err(DETATTN_INTERNAL, "reply of %zu bytes from the daemon; this call's reply is at most %zu", len,
                   bound);
-  }
   b->left = 2 * len + 64 * (k->n_out + 16) + 4096;
   ProtobufCAllocator a = {budget_alloc, budget_free, b};
-  Response *r = detattn__v1__response__unpack(&a, len, nng_msg_body(m));
-  nng_msg_free(m);
+  Response *r = detattn__v1__response__unpack(&a, len, buf);
   if (!r) return da_err(DETATTN_INTERNAL, "malformed response from the daemon (%zu bytes)", len);
   if (r->id != k->id) {
     st = da_err(DETATTN_INTERNAL, "response id %llu does not match request id %llu",
@@ -86,7 +81,7 @@ static int finish_response(detattn_call *k, Response **out, budget *b) {
     goto fail;
   }
   if (r->status && r->status->code != DETATTN_OK) {
-    st = (int)r->status->code;
+    st = r->status->code <= DETATTN_DATA_LOSS ? (int)r->status->code : DETATTN_UNKNOWN;
     da_err(st, "%s", r->status->message && r->status->message[0] ? r->status->message : detattn_status_str(st));
     goto fail;
   }
@@ -98,6 +93,18 @@ static int finish_response(detattn_call *k, Response **out, budget *b) {
   return DETATTN_OK;
 fail:
   detattn__v1__response__free_unpacked(r, &a);
+  return st;
+}
+
+/* Waits for the transport and decodes the Response (decode_response). */
+static int finish_response(detattn_call *k, Response **out, budget *b) {
+  nng_msg *m = NULL;
+  int st;
+
+  *out = NULL;
+  if ((st = da_call_transport_wait(k, &m)) != DETATTN_OK) return st;
+  st = decode_response(k, nng_msg_body(m), nng_msg_len(m), out, b);
+  nng_msg_free(m);
   return st;
 }
 
@@ -531,26 +538,41 @@ static int check_forward_reply(const detattn_call *k, const Detattn__V1__Forward
   return DETATTN_OK;
 }
 
+/* Writes a checked Forward reply's outputs to the call's buffers. */
+static int deliver_forward(detattn_call *k, const Response *r) {
+  int st = check_forward_reply(k, r->forward);
+  if (st != DETATTN_OK) return st;
+  for (size_t i = 0; i < k->n_out; i++) {
+    const Detattn__V1__ForwardSeqOut *so = r->forward->seqs[i];
+    const da_call_out *w = &k->out[i];
+    size_t ob = (size_t)w->n_tokens * k->model.n_q_heads * k->model.head_dim * 2;
+    size_t lb = (size_t)w->n_tokens * k->model.n_q_heads * 4;
+    if (so->o.len) memcpy(w->o, so->o.data, so->o.len);
+    else if (w->o_tmp && w->o) memcpy(w->o, w->o_tmp, ob);
+    if (w->lse && so->lse.len) memcpy(w->lse, so->lse.data, so->lse.len);
+    else if (w->lse && w->lse_tmp) memcpy(w->lse, w->lse_tmp, lb);
+  }
+  return DETATTN_OK;
+}
+
+int da_call_deliver(detattn_call *k, const void *buf, size_t len) {
+  reply x;
+  int st = decode_response(k, buf, len, &x.r, &x.b);
+  if (st != DETATTN_OK) return st;
+  st = deliver_forward(k, x.r);
+  reply_free(&x);
+  return st;
+}
+
 DETATTN_API int detattn_call_wait(detattn_call *k) {
   reply x;
   int st;
 
   if (!k) return da_err(DETATTN_INVALID_ARGUMENT, "call_wait: call is NULL");
-  if ((st = finish_response(k, &x.r, &x.b)) != DETATTN_OK) goto done;
-  if ((st = check_forward_reply(k, x.r->forward)) == DETATTN_OK) {
-    for (size_t i = 0; i < k->n_out; i++) {
-      const Detattn__V1__ForwardSeqOut *so = x.r->forward->seqs[i];
-      const da_call_out *w = &k->out[i];
-      size_t ob = (size_t)w->n_tokens * k->model.n_q_heads * k->model.head_dim * 2;
-      size_t lb = (size_t)w->n_tokens * k->model.n_q_heads * 4;
-      if (so->o.len) memcpy(w->o, so->o.data, so->o.len);
-      else if (w->o_tmp && w->o) memcpy(w->o, w->o_tmp, ob);
-      if (w->lse && so->lse.len) memcpy(w->lse, so->lse.data, so->lse.len);
-      else if (w->lse && w->lse_tmp) memcpy(w->lse, w->lse_tmp, lb);
-    }
+  if ((st = finish_response(k, &x.r, &x.b)) == DETATTN_OK) {
+    st = deliver_forward(k, x.r);
+    reply_free(&x);
   }
-  reply_free(&x);
-done:
   da_call_free(k);
   return st;
 }

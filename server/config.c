@@ -63,7 +63,7 @@ static const setting table[] = {
     {"contexts", T_INT, F(contexts), 1, 65536, NULL, "256",
      "nng contexts: requests held by the daemon at once (received, queued, running or being answered)"},
     {"acc-slots", T_INT, F(acc_slots), 0, 1 << 28, NULL, "0", "accumulator slots for partial splits; 0: backend default"},
-    {"staging-mib", T_INT, F(staging_mib), 0, 1 << 16, NULL, "0", "device backends: staging buffer MiB; 0: default"},
+    {"staging-mib", T_INT, F(staging_mib), 0, 1 << 16, NULL, "0", "device backends: staging buffer MiB; 0: sized from the model and --max-batch-tokens (logged at start)"},
     {"device", T_INT, F(device), 0, 64, NULL, "0", "CUDA backend: device ordinal"},
     {"max-connections", T_INT, F(max_connections), 1, 1 << 20, NULL, "256",
      "most client connections at once; more are refused (logged). Checked against the open-file limit at start"},

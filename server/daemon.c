@@ -622,8 +622,8 @@ static int open_backend(da_daemon *d) {
   }
   da_backend_cfg bc = {.model = d->model, .num = d->num, .page_tokens = c->page_tokens,
                        .n_pages = (int)n_pages, .acc_slots = c->acc_slots,
-                       .staging_bytes = (size_t)c->staging_mib << 20, .batch_tokens = c->max_batch_tokens,
-                       .n_threads = c->threads, .device = c->device};
+                       .staging_bytes = (size_t)c->staging_mib << 20, .n_threads = c->threads,
+                       .device = c->device, .max_batch_tokens = c->max_batch_tokens};
   char err[512] = "";
   int rv = da_backend_open(&d->be, da_config_backend_name(c), &bc, err, sizeof(err));
   if (rv != 0) {
@@ -715,15 +715,13 @@ static int start(da_daemon *d) {
   if (d->seqs == NULL) return DETATTN_RESOURCE_EXHAUSTED;
   int budget = c->max_batch_tokens;
   if (d->info->max_batch_tokens > 0 && d->info->max_batch_tokens < budget) {
-    int need = c->max_request_tokens + c->split_tokens;
-    if (d->info->max_batch_tokens < need) {
-      /* Staging grows linearly with the tokens it carries. */
-      double per_tok = (double)d->info->staging_bytes / 4.0 / (double)(d->info->max_batch_tokens > 0 ? d->info->max_batch_tokens : 1);
-      long long mib = (long long)(per_tok * need / 1048576.0) + 1;
-      int fit = d->info->max_batch_tokens - c->split_tokens;
-      da_log_error("the backend's staging carries at most %d tokens per batch; max-request-tokens + split-tokens is %d: "
-                   "raise --staging-mib to at least %lld (or 0: sized from --max-batch-tokens), or lower "
-                   "--max-request-tokens to %d", d->info->max_batch_tokens, need, mib, fit > 1 ? fit : 1);
+    if (d->info->max_batch_tokens < c->max_request_tokens + c->split_tokens) {
+      int need = c->max_request_tokens + c->split_tokens;
+      size_t mib = (d->info->staging_bytes / 4 * (size_t)need / (size_t)d->info->max_batch_tokens + (1u << 20) - 1) >> 20;
+      da_log_error("--staging-mib %d carries at most %d tokens per batch; --max-request-tokens + --split-tokens "
+                   "is %d: set --staging-mib %zu or more (or 0: sized from --max-batch-tokens), or lower "
+                   "--max-request-tokens to %d", c->staging_mib, d->info->max_batch_tokens, need, mib,
+                   d->info->max_batch_tokens - c->split_tokens);
       return DETATTN_INVALID_ARGUMENT;
     }
     budget = d->info->max_batch_tokens;

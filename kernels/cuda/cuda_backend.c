@@ -196,12 +196,15 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
   c->acc_bytes = (size_t)slots * (size_t)(m->head_dim + 1) * 4;
-  /* Per token: q in and o out (worst case), k and v in, page ids, lse. A buffer carries
-   * stage_bytes / 2 / per_tok tokens; the other half is for page tables and work items. */
-  const size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
-  c->stage_bytes = cfg->staging_bytes > 0 ? cfg->staging_bytes : DEFAULT_STAGING;
-  if (cfg->staging_bytes == 0 && cfg->batch_tokens > 0 && 2 * per_tok * (size_t)cfg->batch_tokens > c->stage_bytes)
-    c->stage_bytes = 2 * per_tok * (size_t)cfg->batch_tokens;
+  /* Per token: q in and o out (worst case), k and v in, page ids, lse. */
+  size_t per_tok = (size_t)m->n_q_heads * m->head_dim * 2 + 2 * (size_t)m->n_kv_heads * m->head_dim * 2 + 64;
+  c->stage_bytes = cfg->staging_bytes;
+  if (c->stage_bytes == 0) {
+    /* Derived: input and output halves for the daemon's batch budget. */
+    c->stage_bytes = DEFAULT_STAGING;
+    if (cfg->max_batch_tokens > 0 && 2 * per_tok * (size_t)cfg->max_batch_tokens > c->stage_bytes)
+      c->stage_bytes = 2 * per_tok * (size_t)cfg->max_batch_tokens;
+  }
   c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
   {
     /* Refuse up front, with the numbers, what cudaMalloc would refuse piecemeal. */
@@ -259,8 +262,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   info->kv_bytes = c->kv_bytes;
   info->acc_bytes = c->acc_bytes;
   info->staging_bytes = 4 * c->stage_bytes;
-  size_t mt = (c->stage_bytes / 2) / per_tok;
-  info->max_batch_tokens = mt > INT32_MAX ? INT32_MAX : (int)mt;
+  info->max_batch_tokens = (int)((c->stage_bytes / 2) / per_tok);
   if (cudaMemGetInfo(&info->mem_free, &info->mem_total) != cudaSuccess) {
     (void)cudaGetLastError();
     info->mem_free = info->mem_total = 0;
