@@ -7,6 +7,7 @@
 #include "da.h"
 
 #include <nng/protocol/reqrep0/req.h>
+#include <nng/supplemental/tls/tls.h>
 
 enum { CALL_SEND = 0, CALL_RECV = 1 };
 
@@ -73,6 +74,72 @@ DETATTN_API void detattn_arena_free(detattn_client *c, void *p) {
 
 DETATTN_API int detattn_connect(detattn_client **out, const char *url) { return detattn_connect_ex(out, url, NULL); }
 
+/* Reads a PEM file into a NUL-terminated string (NULL on error). */
+static char *read_pem(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  char *buf = malloc(1 << 20);
+  size_t n = buf ? fread(buf, 1, (1 << 20) - 1, f) : 0;
+  fclose(f);
+  if (!buf) return NULL;
+  buf[n] = '\0';
+  return buf;
+}
+
+/* tls+tcp: a dialer with a client TLS configuration. The first dial is synchronous so that a
+ * certificate problem is reported now; a refused connection (no daemon yet) is retried in
+ * the background. */
+static int dial_tls(detattn_client *c, const char *url, const detattn_connect_opts *o) {
+  nng_tls_config *tc = NULL;
+  int rv, st = DETATTN_OK;
+  if (!o->tls_ca || !o->tls_ca[0])
+    return da_err(DETATTN_INVALID_ARGUMENT, "connect: %s needs tls_ca to verify the daemon's certificate", url);
+  if ((rv = nng_dialer_create(&c->dialer, c->sock, url)) != 0)
+    return da_err(DETATTN_INVALID_ARGUMENT, "connect: dialer for %s: %s", url, nng_strerror(rv));
+  if ((rv = nng_tls_config_alloc(&tc, NNG_TLS_MODE_CLIENT)) != 0)
+    return da_err(DETATTN_UNAVAILABLE, "connect: TLS: %s", nng_strerror(rv));
+  char host[256] = "";
+  const char *h = url + 10, *colon = strrchr(h, ':');
+  size_t hn = colon ? (size_t)(colon - h) : strlen(h);
+  if (hn < sizeof host) {
+    memcpy(host, h, hn);
+    host[hn] = '\0';
+  }
+  const char *name = o->tls_server_name && o->tls_server_name[0] ? o->tls_server_name : host;
+  if ((rv = nng_tls_config_ca_file(tc, o->tls_ca)) != 0 ||
+      (rv = nng_tls_config_auth_mode(tc, NNG_TLS_AUTH_MODE_REQUIRED)) != 0 ||
+      (name[0] && (rv = nng_tls_config_server_name(tc, name)) != 0)) {
+    st = da_err(DETATTN_INVALID_ARGUMENT, "connect: TLS CA %s: %s", o->tls_ca, nng_strerror(rv));
+    goto done;
+  }
+  if ((o->tls_cert && o->tls_cert[0]) || (o->tls_key && o->tls_key[0])) {
+    char *cert = o->tls_cert ? read_pem(o->tls_cert) : NULL, *key = o->tls_key ? read_pem(o->tls_key) : NULL;
+    rv = cert && key ? nng_tls_config_own_cert(tc, cert, key, NULL) : NNG_ENOENT;
+    if (key) memset(key, 0, strlen(key));
+    free(cert);
+    free(key);
+    if (rv != 0) {
+      st = da_err(DETATTN_INVALID_ARGUMENT, "connect: TLS client certificate %s / key %s: %s",
+                  o->tls_cert ? o->tls_cert : "(none)", o->tls_key ? o->tls_key : "(none)", nng_strerror(rv));
+      goto done;
+    }
+  }
+  if ((rv = nng_dialer_set_ptr(c->dialer, NNG_OPT_TLS_CONFIG, tc)) != 0) {
+    st = da_err(DETATTN_INTERNAL, "connect: TLS: %s", nng_strerror(rv));
+    goto done;
+  }
+  rv = nng_dialer_start(c->dialer, 0);
+  if (rv == NNG_ECONNREFUSED || rv == NNG_ETIMEDOUT || rv == NNG_EADDRINVAL || rv == NNG_EUNREACHABLE)
+    rv = nng_dialer_start(c->dialer, NNG_FLAG_NONBLOCK);
+  if (rv != 0 && rv != NNG_ESTATE)
+    st = da_err(rv == NNG_EPEERAUTH || rv == NNG_ECRYPTO || rv == NNG_ECONNRESET || rv == NNG_ECONNSHUT
+                    ? DETATTN_PERMISSION_DENIED : DETATTN_UNAVAILABLE,
+                "connect: TLS handshake with %s failed: %s", url, nng_strerror(rv));
+done:
+  nng_tls_config_free(tc);
+  return st;
+}
+
 DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const detattn_connect_opts *opts) {
   detattn_client *c;
   detattn_connect_opts o;
@@ -122,8 +189,10 @@ DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const 
     st = da_err(DETATTN_INTERNAL, "connect: socket options: %s", nng_strerror(rv));
     goto fail_opt;
   }
-  /* Non-blocking: the daemon may start later; calls wait for the connection. */
-  if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
+  if (strncmp(url, "tls+tcp://", 10) == 0) {
+    if ((st = dial_tls(c, url, &o)) != DETATTN_OK) goto fail_opt;
+  } else if ((rv = nng_dial(c->sock, url, &c->dialer, NNG_FLAG_NONBLOCK)) != 0) {
+    /* Non-blocking: the daemon may start later; calls wait for the connection. */
     st = da_err(rv == NNG_EADDRINVAL || rv == NNG_ENOTSUP || rv == NNG_EINVAL ? DETATTN_INVALID_ARGUMENT
                                                                             : DETATTN_UNAVAILABLE,
                 "connect: dial %s: %s", url, nng_strerror(rv));

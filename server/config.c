@@ -84,6 +84,12 @@ static const setting table[] = {
      "shared-memory plane: largest arena a client may register"},
     {"max-arenas", T_INT, F(max_arenas), 0, 1024, NULL, "16",
      "shared-memory plane: arenas per connection; 0: no shared-memory plane"},
+    {"tls-cert", T_STR, F(tls_cert), 0, 0, NULL, "", "tls+tcp: the daemon's certificate (PEM, may hold the chain)"},
+    {"tls-key", T_STR, F(tls_key), 0, 0, NULL, "", "tls+tcp: the daemon's private key (PEM)"},
+    {"tls-ca", T_STR, F(tls_ca), 0, 0, NULL, "",
+     "tls+tcp: CA certificates (PEM); when set, clients must present a certificate it signed (mutual TLS)"},
+    {"insecure-tcp", T_FLAG, F(insecure_tcp), 0, 0, NULL, "0",
+     "allow tcp:// on a non-loopback address: no encryption, no authentication (use tls+tcp://)"},
     {"ipc-mode", T_STR, F(ipc_mode), 0, 0, NULL, "0660", "permissions of the ipc socket (octal)"},
     {"allow-uids", T_STR, F(allow_uids), 0, 0, NULL, "",
      "ipc: user ids allowed to connect, comma-separated; the daemon's own uid and root always are. "
@@ -309,6 +315,37 @@ static int check_lists(const da_config *c, char *err, size_t errlen) {
   return 0;
 }
 
+/* 1 when the host of a tcp URL (after "tcp://" or "tls+tcp://") is a loopback address. */
+static int loopback_host(const char *hostport) {
+  char host[256];
+  const char *colon = strrchr(hostport, ':');
+  size_t n = colon ? (size_t)(colon - hostport) : strlen(hostport);
+  if (n >= sizeof host) return 0;
+  memcpy(host, hostport, n);
+  host[n] = '\0';
+  return strncmp(host, "127.", 4) == 0 || strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0 ||
+         strcmp(host, "::1") == 0;
+}
+
+static int check_transport(const da_config *c, char *err, size_t errlen) {
+  int tls = strncmp(c->listen, "tls+tcp://", 10) == 0;
+  if (tls && (!c->tls_cert[0] || !c->tls_key[0])) {
+    snprintf(err, errlen, "listen: %s needs --tls-cert and --tls-key (a TLS listener without a certificate "
+             "cannot complete a handshake)", c->listen);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (!tls && (c->tls_cert[0] || c->tls_key[0] || c->tls_ca[0])) {
+    snprintf(err, errlen, "--tls-cert, --tls-key and --tls-ca need a tls+tcp:// --listen URL (got %s)", c->listen);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (strncmp(c->listen, "tcp://", 6) == 0 && !loopback_host(c->listen + 6) && !c->insecure_tcp) {
+    snprintf(err, errlen, "listen: %s is not a loopback address: anyone who reaches it could use the daemon "
+             "unauthenticated; use tls+tcp:// with --tls-cert/--tls-key/--tls-ca, or pass --insecure-tcp", c->listen);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  return 0;
+}
+
 static int check_cross(const da_config *c, char *err, size_t errlen) {
   da_model m = {.n_layers = c->layers, .n_q_heads = c->q_heads, .n_kv_heads = c->kv_heads,
                 .head_dim = c->head_dim, .dtype = (da_dtype)c->dtype, .scale = (float)c->scale,
@@ -345,6 +382,7 @@ static int check_cross(const da_config *c, char *err, size_t errlen) {
     snprintf(err, errlen, "http-listen: '%s' is not an http://HOST:PORT URL (empty: off)", c->http_listen);
     return DETATTN_INVALID_ARGUMENT;
   }
+  if (check_transport(c, err, errlen) != 0) return DETATTN_INVALID_ARGUMENT;
   if (strncmp(c->listen, "ipc://", 6) != 0 && strncmp(c->listen, "tcp://", 6) != 0 &&
       strncmp(c->listen, "tls+tcp://", 10) != 0 && strncmp(c->listen, "inproc://", 9) != 0) {
     snprintf(err, errlen, "listen: '%s' is not an ipc://, tcp://, tls+tcp:// or inproc:// URL", c->listen);

@@ -48,6 +48,8 @@ typedef struct da_config {
   int64_t max_arena_bytes;
   int max_arenas;
   char ipc_mode[16];       /* octal permissions of the ipc socket */
+  char tls_cert[DA_CONFIG_STR_MAX], tls_key[DA_CONFIG_STR_MAX], tls_ca[DA_CONFIG_STR_MAX];
+  int insecure_tcp;        /* tcp:// on a non-loopback address without TLS was asked for */
   char allow_uids[DA_CONFIG_STR_MAX], allow_gids[DA_CONFIG_STR_MAX], stats_uids[DA_CONFIG_STR_MAX];
   int log_level; /* da_log_level */
   int log_format; /* da_log_format: 0 text, 1 json */

@@ -781,7 +781,8 @@ static int start(da_daemon *d) {
                          .notify = wake_loop, .arg = &d->ev_async,
                          .max_connections = d->max_connections, .max_conn_per_peer = c->max_conn_per_peer,
                          .send_timeout_ms = c->send_timeout_ms, .max_reply_bytes = (size_t)c->max_reply_bytes,
-                         .ipc_mode = da_config_ipc_mode(c), .policy = &pol};
+                         .ipc_mode = da_config_ipc_mode(c), .policy = &pol,
+                         .tls_cert = c->tls_cert, .tls_key = c->tls_key, .tls_ca = c->tls_ca};
   char err[700] = "";
   if ((rv = da_transport_open(&d->tr, &tc, err, sizeof(err))) != 0) {
     da_log_error("%s", err);

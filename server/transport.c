@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
+#include <nng/supplemental/tls/tls.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -512,6 +513,66 @@ static int lock_ipc(const char *url, int *fd_out, char *err, size_t errlen) {
   return 0;
 }
 
+/* Reads a whole (small) file into a NUL-terminated string; NULL on error. */
+static char *slurp(const char *path) {
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  char *buf = NULL;
+  size_t len = 0, cap = 0;
+  for (;;) {
+    if (len + 4096 + 1 > cap) {
+      cap = (len + 4096 + 1) * 2;
+      if (cap > (1u << 20)) break; /* no PEM file is this large */
+      char *nb = realloc(buf, cap);
+      if (nb == NULL) break;
+      buf = nb;
+    }
+    size_t n = fread(buf + len, 1, 4096, f);
+    len += n;
+    if (n < 4096) {
+      fclose(f);
+      buf[len] = '\0';
+      return buf;
+    }
+  }
+  fclose(f);
+  free(buf);
+  return NULL;
+}
+
+/* The TLS server configuration for the listener: the daemon's certificate and key, and with
+ * a CA, client certificates required (mutual TLS). */
+static int setup_tls(nng_listener l, const da_transport_cfg *cfg, char *err, size_t errlen) {
+  nng_tls_config *tc;
+  int rv = nng_tls_config_alloc(&tc, NNG_TLS_MODE_SERVER);
+  if (rv != 0) {
+    snprintf(err, errlen, "TLS: %s (engine %s)", nng_strerror(rv), nng_tls_engine_name());
+    return DETATTN_UNAVAILABLE;
+  }
+  char *cert = slurp(cfg->tls_cert), *key = slurp(cfg->tls_key);
+  const char *what = cert == NULL ? cfg->tls_cert : cfg->tls_key;
+  if (cert == NULL || key == NULL) {
+    snprintf(err, errlen, "TLS: cannot read %s: %s", what, strerror(errno));
+    rv = DETATTN_INVALID_ARGUMENT;
+  } else if ((rv = nng_tls_config_own_cert(tc, cert, key, NULL)) != 0) {
+    snprintf(err, errlen, "TLS: --tls-cert %s / --tls-key %s: %s", cfg->tls_cert, cfg->tls_key, nng_strerror(rv));
+    rv = DETATTN_INVALID_ARGUMENT;
+  } else if (cfg->tls_ca && cfg->tls_ca[0] &&
+             ((rv = nng_tls_config_ca_file(tc, cfg->tls_ca)) != 0 ||
+              (rv = nng_tls_config_auth_mode(tc, NNG_TLS_AUTH_MODE_REQUIRED)) != 0)) {
+    snprintf(err, errlen, "TLS: --tls-ca %s: %s", cfg->tls_ca, nng_strerror(rv));
+    rv = DETATTN_INVALID_ARGUMENT;
+  } else if ((rv = nng_listener_set_ptr(l, NNG_OPT_TLS_CONFIG, tc)) != 0) {
+    snprintf(err, errlen, "TLS: %s", nng_strerror(rv));
+    rv = DETATTN_UNAVAILABLE;
+  }
+  if (key) memset(key, 0, strlen(key));
+  free(cert);
+  free(key);
+  nng_tls_config_free(tc);
+  return rv;
+}
+
 /* For a tcp port 0 (tcp:// or tls+tcp://), the port the listener bound. */
 static void resolve_url(da_transport *t, nng_listener l, const char *url) {
   snprintf(t->url, sizeof(t->url), "%s", url);
@@ -588,6 +649,8 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
     rv = DETATTN_UNAVAILABLE;
     goto fail_listen;
   }
+  if (strncmp(cfg->url, "tls+tcp://", 10) == 0 && (rv = setup_tls(t->listener, cfg, err, errlen)) != 0)
+    goto fail_listen;
   if (t->ipc_path[0] && cfg->ipc_mode > 0 &&
       (rv = nng_listener_set_int(t->listener, NNG_OPT_IPC_PERMISSIONS, cfg->ipc_mode)) != 0) {
     snprintf(err, errlen, "ipc socket mode %04o: %s", (unsigned)cfg->ipc_mode, nng_strerror(rv));

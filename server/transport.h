@@ -92,6 +92,8 @@ typedef struct da_transport_cfg {
   size_t max_reply_bytes;   /* reply bytes queued on one connection; past it, dropped; 0: no cap */
   int ipc_mode;             /* permissions of the ipc socket; 0: nng's default */
   const da_peer_policy *policy; /* ipc peer check at connect, before any request is read; NULL: none */
+  const char *tls_cert, *tls_key; /* tls+tcp: PEM files of the daemon's certificate and key */
+  const char *tls_ca;             /* tls+tcp: CA file; set: client certificates are required */
 } da_transport_cfg;
 
 /* Connection counters since open (any thread reads them with da_transport_counts). */

@@ -45,6 +45,9 @@ static const opt common_opts[] = {
     {"url", O_STR, g.url, "URL", "daemon address (default $DETATTN_URL, else detattnd's default ipc socket)"},
     {"timeout", O_INT, &g.timeout_ms, "MS", "per-call timeout in milliseconds (default 60000; 0: none)"},
     {"json", O_FLAG, &g.json, NULL, "print JSON instead of text"},
+    {"tls-ca", O_STR, &g.vcfg.tls_ca, "FILE", "tls+tcp://: CA file that signed the daemon's certificate"},
+    {"tls-cert", O_STR, &g.vcfg.tls_cert, "FILE", "tls+tcp://: this client's certificate (mutual TLS)"},
+    {"tls-key", O_STR, &g.vcfg.tls_key, "FILE", "tls+tcp://: this client's private key"},
     {"help", O_FLAG, &g.help, NULL, "print this help"},
     {NULL, 0, NULL, NULL, NULL}};
 
@@ -524,7 +527,13 @@ int main(int argc, char **argv) {
   }
   default_url();
   if (cmd->run != cmd_verify) {
-    if ((st = detattn_connect(&c, g.url)) != DETATTN_OK) return call_failed("connect", st);
+    detattn_connect_opts co;
+    detattn_connect_opts_init(&co);
+    co.data_plane = DETATTN_PLANE_COPY;
+    co.tls_ca = g.vcfg.tls_ca;
+    co.tls_cert = g.vcfg.tls_cert;
+    co.tls_key = g.vcfg.tls_key;
+    if ((st = detattn_connect_ex(&c, g.url, &co)) != DETATTN_OK) return call_failed("connect", st);
     detattn_set_timeout(c, g.timeout_ms);
   }
   rc = cmd->run(c);

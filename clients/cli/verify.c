@@ -34,6 +34,15 @@ void da_verify_cfg_defaults(da_verify_cfg *c) {
   if (!c->timeout_ms) c->timeout_ms = 60000;
 }
 
+/* Connect options of the workload's connections: its TLS files and a data plane. */
+static void connect_opts(const da_verify_cfg *cfg, detattn_connect_opts *o, detattn_data_plane plane) {
+  detattn_connect_opts_init(o);
+  o->data_plane = plane;
+  o->tls_ca = cfg->tls_ca;
+  o->tls_cert = cfg->tls_cert;
+  o->tls_key = cfg->tls_key;
+}
+
 static int fail(char *msg, size_t len, int st, const char *what) {
   snprintf(msg, len, "%s: %s: %s", what, detattn_status_name(st), detattn_errmsg());
   return st;
@@ -142,7 +151,9 @@ int da_verify_alloc(da_verify **out, const da_verify_cfg *cfg, char *msg, size_t
     da_verify_free(v);
     return DETATTN_INVALID_ARGUMENT;
   }
-  if ((st = detattn_connect(&c, v->cfg.url)) != DETATTN_OK) {
+  detattn_connect_opts o0;
+  connect_opts(&v->cfg, &o0, DETATTN_PLANE_COPY);
+  if ((st = detattn_connect_ex(&c, v->cfg.url, &o0)) != DETATTN_OK) {
     da_verify_free(v);
     return fail(msg, len, st, "connect");
   }
@@ -204,9 +215,8 @@ static int reference_pass(da_verify *v, da_verify_result *res, char *msg, size_t
   int st;
   da_rng r;
 
-  detattn_connect_opts co;
-  detattn_connect_opts_init(&co);
-  co.data_plane = DETATTN_PLANE_COPY; /* the reference: bytes in messages */
+  detattn_connect_opts co; /* the reference: bytes in messages */
+  connect_opts(&v->cfg, &co, DETATTN_PLANE_COPY);
   if ((st = detattn_connect_ex(&c, v->cfg.url, &co)) != DETATTN_OK) return fail(msg, len, st, "reference pass: connect");
   detattn_set_timeout(c, v->cfg.timeout_ms);
   da_rng_seed(&r, mix(v->cfg.seed, 3, 0));
@@ -333,8 +343,7 @@ static void *worker_main(void *arg) {
 
   memset(cur, 0, sizeof cur);
   detattn_connect_opts co;
-  detattn_connect_opts_init(&co);
-  co.data_plane = v->cfg.data_plane_set ? (detattn_data_plane)v->cfg.data_plane : DETATTN_PLANE_COPY;
+  connect_opts(&v->cfg, &co, v->cfg.data_plane_set ? (detattn_data_plane)v->cfg.data_plane : DETATTN_PLANE_COPY);
   if ((st = detattn_connect_ex(&c, v->cfg.url_b ? v->cfg.url_b : v->cfg.url, &co)) != DETATTN_OK) {
     w->status = fail(w->msg, sizeof w->msg, st, "concurrent pass: connect");
     return NULL;

@@ -41,6 +41,7 @@ typedef struct da_verify_cfg {
   int data_plane;    /* with data_plane_set: the concurrent pass's detattn_data_plane (the reference pass
                       * always copies); otherwise copy */
   int data_plane_set;
+  const char *tls_ca, *tls_cert, *tls_key; /* tls+tcp:// (detattn_connect_opts) */
 } da_verify_cfg;
 
 /* Fills unset (zero) fields with the defaults above. */

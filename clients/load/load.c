@@ -281,10 +281,21 @@ static uint32_t effective_chunk(const da_load_cfg *cfg, const da_workload *w,
   return c;
 }
 
-int da_load_hello(const char *url, int timeout_ms, da_workload *w, detattn_server_info *info,
-                  char *msg, size_t msglen) {
+void da_load_connect_opts(const da_load_cfg *cfg, int data_plane, detattn_connect_opts *o) {
+  detattn_connect_opts_init(o);
+  o->data_plane = (detattn_data_plane)data_plane;
+  o->tls_ca = cfg->tls_ca;
+  o->tls_cert = cfg->tls_cert;
+  o->tls_key = cfg->tls_key;
+}
+
+int da_load_hello(const da_load_cfg *cfg, da_workload *w, detattn_server_info *info, char *msg, size_t msglen) {
+  const char *url = cfg->url;
+  int timeout_ms = cfg->timeout_ms;
   detattn_client *c = NULL;
-  int rc = detattn_connect(&c, url);
+  detattn_connect_opts co;
+  da_load_connect_opts(cfg, DETATTN_PLANE_COPY, &co);
+  int rc = detattn_connect_ex(&c, url, &co);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "connect %s: %s", url, detattn_errmsg());
     return rc;
@@ -386,8 +397,7 @@ static int connect_all(engine *e, const da_load_cfg *cfg, da_load_result *res, c
   e->clients = calloc(e->n_clients, sizeof(*e->clients));
   if (!e->clients) return DETATTN_RESOURCE_EXHAUSTED;
   detattn_connect_opts co;
-  detattn_connect_opts_init(&co);
-  co.data_plane = (detattn_data_plane)cfg->data_plane;
+  da_load_connect_opts(cfg, cfg->data_plane, &co);
   for (uint32_t i = 0; i < e->n_clients; i++) {
     int rc = detattn_connect_ex(&e->clients[i], cfg->url, &co);
     if (rc != DETATTN_OK) {
@@ -493,8 +503,7 @@ int da_load_replay(const da_load_cfg *cfg, const da_workload *w, const da_record
   detattn_client *c = NULL;
   detattn_server_info info;
   detattn_connect_opts co; /* the reference: bytes in messages */
-  detattn_connect_opts_init(&co);
-  co.data_plane = DETATTN_PLANE_COPY;
+  da_load_connect_opts(cfg, DETATTN_PLANE_COPY, &co);
   int rc = detattn_connect_ex(&c, cfg->url, &co);
   if (rc != DETATTN_OK) {
     snprintf(msg, msglen, "connect %s: %s", cfg->url, detattn_errmsg());

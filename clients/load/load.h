@@ -36,11 +36,15 @@ typedef struct da_load_cfg {
   uint32_t prefill_chunk; /* 0: whole prompt (capped by the daemon's max tokens) */
   uint32_t connections;   /* sequence i uses connection i % connections */
   int data_plane;         /* detattn_data_plane of the measured connections (0: auto) */
+  const char *tls_ca, *tls_cert, *tls_key; /* tls+tcp:// */
   int timeout_ms;
   bool keep_hashes;       /* keep every output hash in the result's record (for --verify,
                              --record, --compare); else only the digest */
   bool progress;
 } da_load_cfg;
+
+/* The options of a connection of this run: cfg's TLS files and the given data plane. */
+void da_load_connect_opts(const da_load_cfg *cfg, int data_plane, detattn_connect_opts *out);
 
 typedef struct da_load_result {
   /* Counted in the measured window (after warmup). */
@@ -67,7 +71,7 @@ typedef struct da_load_result {
 
 /* Connects, reads hello (the model comes from the daemon), and fills w's model fields.
  * Errors: the connect/hello status, message in msg. */
-int da_load_hello(const char *url, int timeout_ms, da_workload *w, detattn_server_info *info,
+int da_load_hello(const da_load_cfg *cfg, da_workload *w, detattn_server_info *info,
                   char *msg, size_t msglen);
 
 /* Runs the workload. res is initialised here; da_load_result_fini frees it. Returns OK

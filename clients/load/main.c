@@ -51,6 +51,7 @@ static void usage(FILE *f) {
     "  --warmup S           leave calls scheduled in the first S seconds out of the stats\n"
     "  --connections N      client connections (default 1)\n"
     "  --data-plane P       copy|shm|cuda|auto: how tensors travel (default auto; replays copy)\n"
+    "  --tls-ca F, --tls-cert F, --tls-key F   tls+tcp://: the daemon's CA, this client's cert and key\n"
     "  --timeout-ms N       per-call timeout (default 60000)\n"
     "checks and output:\n"
     "  --verify             afterwards replay every sequence alone and compare bits\n"
@@ -128,7 +129,8 @@ bad:
 
 enum { O_SEED = 256, O_PROMPT, O_OUTPUT, O_TRACE, O_CHUNK, O_CONC, O_RATE, O_BURST, O_INFLIGHT,
        O_DURATION, O_REQUESTS, O_WARMUP, O_CONNS, O_TIMEOUT, O_VERIFY, O_RECORD, O_COMPARE,
-       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP, O_REMOTE, O_PLANE };
+       O_JSON, O_SWEEP, O_SWEEP_OUT, O_QUIET, O_URL, O_HELP, O_REMOTE, O_PLANE, O_TLS_CA, O_TLS_CERT,
+       O_TLS_KEY };
 
 static const struct option long_opts[] = {
     {"url", required_argument, 0, O_URL},           {"seed", required_argument, 0, O_SEED},
@@ -143,7 +145,8 @@ static const struct option long_opts[] = {
     {"json", required_argument, 0, O_JSON},         {"sweep", required_argument, 0, O_SWEEP},
     {"sweep-out", required_argument, 0, O_SWEEP_OUT}, {"quiet", no_argument, 0, O_QUIET},
     {"help", no_argument, 0, O_HELP},               {"allow-remote", no_argument, 0, O_REMOTE},
-    {"data-plane", required_argument, 0, O_PLANE},
+    {"data-plane", required_argument, 0, O_PLANE},  {"tls-ca", required_argument, 0, O_TLS_CA},
+    {"tls-cert", required_argument, 0, O_TLS_CERT}, {"tls-key", required_argument, 0, O_TLS_KEY},
     {0, 0, 0, 0}};
 
 static int parse_args(options *o, int argc, char **argv) {
@@ -211,6 +214,9 @@ static int parse_args(options *o, int argc, char **argv) {
     case O_SWEEP_OUT: o->sweep_out = optarg; break;
     case O_QUIET: o->quiet = true; break;
     case O_REMOTE: o->allow_remote = true; break;
+    case O_TLS_CA: o->cfg.tls_ca = optarg; break;
+    case O_TLS_CERT: o->cfg.tls_cert = optarg; break;
+    case O_TLS_KEY: o->cfg.tls_key = optarg; break;
     case O_PLANE: {
       static const char *const names[] = {"auto", "copy", "shm", "cuda"};
       int found = -1;
@@ -375,7 +381,7 @@ int main(int argc, char **argv) {
   char msg[512];
   if (parse_args(&o, argc, argv) != 0) return 2;
   detattn_server_info info;
-  if (da_load_hello(o.cfg.url, o.cfg.timeout_ms, &o.w, &info, msg, sizeof(msg)) != DETATTN_OK) {
+  if (da_load_hello(&o.cfg, &o.w, &info, msg, sizeof(msg)) != DETATTN_OK) {
     fprintf(stderr, "detattn-load: %s\n", msg);
     free(o.w.trace);
     return 2;

@@ -145,10 +145,19 @@ typedef struct detattn_connect_opts {
   detattn_data_plane data_plane; /* default AUTO */
   uint64_t arena_bytes;          /* SHM arena size; default 256 MiB */
   int timeout_ms;                /* per-call timeout; default 60000; <= 0 waits forever */
+  /* tls+tcp:// only (PEM files). tls_ca verifies the daemon's certificate (required);
+   * tls_cert and tls_key are this client's for a daemon that requires them (mutual TLS);
+   * tls_server_name is the name the daemon's certificate must carry (default: the URL's
+   * host; Debian's mbedTLS 2.28 matches DNS names only, so connecting by IP address needs a
+   * DNS name of the certificate here). */
+  const char *tls_ca, *tls_cert, *tls_key, *tls_server_name;
 } detattn_connect_opts;
 
 DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *opts);
-/* Connects with opts (NULL: defaults). With data_plane SHM, a call fails with
+/* Connects with opts (NULL: defaults). For tls+tcp:// the first connection is made before
+ * returning, so a certificate problem fails here (UNAUTHENTICATED is not in the status set:
+ * PERMISSION_DENIED, with nng's reason); a daemon not running yet is retried in the
+ * background as for other URLs. With data_plane SHM, a call fails with
  * FAILED_PRECONDITION (and the reason) when the arena cannot be set up; with AUTO it falls
  * back to COPY (detattn_data_plane_get says which). */
 DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const detattn_connect_opts *opts);

@@ -135,3 +135,23 @@ void da_daemon_stop(da_daemon_proc *d) {
     d->dir[0] = '\0';
   }
 }
+
+int da_make_test_certs(const char *dir) {
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd,
+           "cd '%s' && exec > openssl.log 2>&1 && set -e && "
+           "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\n' > san.ext && "
+           "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=detattn-test-ca && "
+           "openssl req -x509 -newkey rsa:2048 -nodes -keyout other-ca.key -out other-ca.pem -days 2 -subj /CN=other-ca && "
+           "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost && "
+           "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
+           "-extfile san.ext && "
+           "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=client && "
+           "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 && "
+           "openssl req -newkey rsa:2048 -nodes -keyout rogue.key -out rogue.csr -subj /CN=rogue && "
+           "openssl x509 -req -in rogue.csr -CA other-ca.pem -CAkey other-ca.key -CAcreateserial -out rogue.pem -days 2 && "
+           "openssl req -newkey rsa:2048 -nodes -keyout expired.key -out expired.csr -subj /CN=expired && "
+           "openssl x509 -req -in expired.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out expired.pem -days -1",
+           dir);
+  return system(cmd) == 0 ? 0 : -1;
+}

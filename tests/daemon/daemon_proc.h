@@ -32,4 +32,10 @@ void da_daemon_dump_log(const da_daemon_proc *d);
 /* 1 when a line of the daemon's log so far contains needle, else 0 (also when there is no log). */
 int da_daemon_log_has(const da_daemon_proc *d, const char *needle);
 
+/* Makes test certificates with the openssl CLI in dir: ca.pem/ca.key (a CA), server.pem/
+ * server.key (signed by it, for 127.0.0.1 and localhost), client.pem/client.key (signed by
+ * it), other-ca.pem and rogue.pem/rogue.key (a client signed by another CA), expired.pem/
+ * expired.key (signed by the CA, expired yesterday). Returns 0, or -1 (openssl missing). */
+int da_make_test_certs(const char *dir);
+
 #endif /* DA_DAEMON_PROC_H */

@@ -797,8 +797,17 @@ END_TEST
 
 /* ---- defect 9: smaller ones ---- */
 
+static char tls_dir[64];
+
 static void setup_tcp(void) {
-  static const char *const args[] = {MODEL_ARGS("64"), "--listen", "tls+tcp://127.0.0.1:0", NULL};
+  snprintf(tls_dir, sizeof tls_dir, "/tmp/detattn-tls-XXXXXX");
+  ck_assert_ptr_nonnull(mkdtemp(tls_dir));
+  if (da_make_test_certs(tls_dir) != 0) ck_abort_msg("openssl could not make test certificates");
+  static char cert[128], key[128];
+  snprintf(cert, sizeof cert, "%s/server.pem", tls_dir);
+  snprintf(key, sizeof key, "%s/server.key", tls_dir);
+  static const char *args[] = {MODEL_ARGS("64"), "--listen", "tls+tcp://127.0.0.1:0", "--tls-cert", cert,
+                               "--tls-key", key, NULL};
   start_daemon(args);
 }
 
@@ -816,6 +825,9 @@ START_TEST(the_log_names_the_bound_tcp_port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   ck_assert_int_eq(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
   close(fd);
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", tls_dir);
+  ck_assert_int_eq(system(cmd), 0);
 }
 END_TEST
 

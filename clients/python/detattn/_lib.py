@@ -58,7 +58,8 @@ class SeqIO(ctypes.Structure):
 
 class ConnectOpts(ctypes.Structure):
     _fields_ = [("struct_size", ctypes.c_uint32), ("data_plane", ctypes.c_int), ("arena_bytes", ctypes.c_uint64),
-                ("timeout_ms", ctypes.c_int)]
+                ("timeout_ms", ctypes.c_int), ("tls_ca", ctypes.c_char_p), ("tls_cert", ctypes.c_char_p),
+                ("tls_key", ctypes.c_char_p), ("tls_server_name", ctypes.c_char_p)]
 
 
 def _candidates() -> list[str]:

@@ -243,10 +243,12 @@ class Sequence:
 class Client:
     """A connection to detattnd (``ipc://PATH``, ``tcp://127.0.0.1:PORT``). Safe to use from
     many threads. ``data_plane``: "auto" (shared memory when the daemon offers it, else
-    copy), "copy" or "shm"; every plane gives the same bits."""
+    copy), "copy" or "shm"; every plane gives the same bits. ``tls_*``: PEM files for a
+    ``tls+tcp://`` daemon (its CA; this client's certificate and key for mutual TLS)."""
 
     def __init__(self, url: str, timeout_ms: int = 60000, data_plane: str = "auto",
-                 arena_bytes: int = 256 << 20):
+                 arena_bytes: int = 256 << 20, tls_ca: Optional[str] = None, tls_cert: Optional[str] = None,
+                 tls_key: Optional[str] = None, tls_server_name: Optional[str] = None):
         if data_plane not in _lib.PLANE_NAMES:
             raise ValueError(f"data_plane {data_plane!r} is not one of {sorted(_lib.PLANE_NAMES)}")
         opts = _lib.ConnectOpts()
@@ -254,6 +256,9 @@ class Client:
         opts.data_plane = _lib.PLANE_NAMES[data_plane]
         opts.arena_bytes = arena_bytes
         opts.timeout_ms = timeout_ms
+        enc = lambda x: x.encode() if x else None  # noqa: E731
+        opts.tls_ca, opts.tls_cert, opts.tls_key = enc(tls_ca), enc(tls_cert), enc(tls_key)
+        opts.tls_server_name = enc(tls_server_name)
         c = ctypes.c_void_p()
         check(lib.detattn_connect_ex(ctypes.byref(c), url.encode(), ctypes.byref(opts)), "connect")
         self._c = c
