@@ -8,7 +8,7 @@ pkgs=(build-essential cmake ninja-build pkg-config
       libnng-dev libuv1-dev libprotobuf-c-dev protobuf-c-compiler
       check libsubunit-dev libxxhash-dev libcjson-dev libinih-dev libsystemd-dev gnuplot-nox
       clang libclang-rt-14-dev openssl prometheus
-      python3 python3-numpy python3-torch python3-pytest python3-matplotlib)
+      python3 python3-numpy python3-torch python3-pytest python3-matplotlib python3-yaml)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

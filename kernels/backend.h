@@ -40,6 +40,8 @@ typedef struct da_backend_info {
   int acc_slots;
   size_t kv_bytes, acc_bytes, staging_bytes;
   int max_batch_tokens;    /* most query + appended tokens one batch may carry (staging) */
+  size_t mem_total;        /* device backends: the device's memory, and what was free once the */
+  size_t mem_free;         /* pools were taken; 0 when unknown (the CPU backend) */
 } da_backend_info;
 
 /* Copy a whole page (every layer, K and V) from src to dst: copy-on-write after fork. */

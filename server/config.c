@@ -106,6 +106,10 @@ static const setting table[] = {
      "ipc: user ids whose Stats show every client (others see their own sequences and pages); the daemon's "
      "own uid and root always do"},
     {"log-level", T_ENUM, F(log_level), 0, 0, "error|warn|info|debug", "info", "log level"},
+    {"log-format", T_ENUM, F(log_format), 0, 0, "text|json", "text",
+     "log lines on stderr: text, or json (one object per line: time, level, event, msg, fields)"},
+    {"http-listen", T_STR, F(http_listen), 0, 0, NULL, "",
+     "http://HOST:PORT serving /metrics (Prometheus), /healthz and /readyz; empty: off"},
     {"fail-after-batches", T_INT, F(fail_after_batches), 0, 1 << 30, NULL, "0",
      "for tests only: batch N (counting from 1) and every later one fail as an injected device "
      "failure (UNAVAILABLE; the daemon answers them and exits 3); 0: off"},
@@ -365,18 +369,26 @@ static int check_cross(const da_config *c, char *err, size_t errlen) {
     return DETATTN_INVALID_ARGUMENT;
   }
   if ((int64_t)c->max_request_tokens + c->split_tokens > c->max_batch_tokens) {
+    long long room = (long long)c->max_batch_tokens - c->split_tokens;
     snprintf(err, errlen,
              "max-request-tokens (%d) + split-tokens (%d) must be <= max-batch-tokens (%d): a "
-             "request's first chunk (its K/V append and one split of queries) must fit a batch",
-             c->max_request_tokens, c->split_tokens, c->max_batch_tokens);
+             "request's first chunk (its K/V append and one split of queries) must fit a batch; raise "
+             "--max-batch-tokens to %lld or lower --max-request-tokens to %lld",
+             c->max_request_tokens, c->split_tokens, c->max_batch_tokens,
+             (long long)c->max_request_tokens + c->split_tokens, room > 0 ? room : 1);
     return DETATTN_INVALID_ARGUMENT;
   }
   if (c->max_request_tokens > c->max_seq_tokens) {
-    snprintf(err, errlen, "max-request-tokens (%d) must be <= max-seq-tokens (%d)",
-             c->max_request_tokens, c->max_seq_tokens);
+    snprintf(err, errlen, "max-request-tokens (%d) must be <= max-seq-tokens (%d): raise --max-seq-tokens to %d "
+             "or lower --max-request-tokens to %d",
+             c->max_request_tokens, c->max_seq_tokens, c->max_request_tokens, c->max_seq_tokens);
     return DETATTN_INVALID_ARGUMENT;
   }
   if (check_lists(c, err, errlen) != 0) return DETATTN_INVALID_ARGUMENT;
+  if (c->http_listen[0] && strncmp(c->http_listen, "http://", 7) != 0) {
+    snprintf(err, errlen, "http-listen: '%s' is not an http://HOST:PORT URL (empty: off)", c->http_listen);
+    return DETATTN_INVALID_ARGUMENT;
+  }
   if (check_transport(c, err, errlen) != 0) return DETATTN_INVALID_ARGUMENT;
   if (strncmp(c->listen, "ipc://", 6) != 0 && strncmp(c->listen, "tcp://", 6) != 0 &&
       strncmp(c->listen, "tls+tcp://", 10) != 0 && strncmp(c->listen, "inproc://", 9) != 0) {

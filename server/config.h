@@ -54,6 +54,8 @@ typedef struct da_config {
   int insecure_tcp;        /* tcp:// on a non-loopback address without TLS was asked for */
   char allow_uids[DA_CONFIG_STR_MAX], allow_gids[DA_CONFIG_STR_MAX], stats_uids[DA_CONFIG_STR_MAX];
   int log_level; /* da_log_level */
+  int log_format; /* da_log_format: 0 text, 1 json */
+  char http_listen[DA_CONFIG_STR_MAX]; /* "" (off) or http://HOST:PORT: /metrics, /healthz, /readyz */
   int fail_after_batches; /* tests: batch N and later fail as a device failure; 0: off */
   int help;         /* --help was given */
   int print_config; /* --print-config was given */

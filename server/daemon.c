@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -32,6 +33,61 @@ void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out)
   out->max = (double)h->max * scale;
   out->p50 = (double)da_hist_quantile(h, 0.5) * scale;
   out->p99 = (double)da_hist_quantile(h, 0.99) * scale;
+}
+
+#ifndef DA_SERVER_VERSION
+#define DA_SERVER_VERSION "0.0.0"
+#endif
+
+/* The metrics snapshot (http.h): called on the loop thread when /metrics, /healthz or
+ * /readyz is asked for. */
+static void metrics_fill(void *arg, da_metrics_snapshot *s) {
+  da_daemon *d = arg;
+  const da_backend_info *in = d->info;
+  uint64_t now = da_now_ns();
+  struct timespec wall;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  memset(s, 0, sizeof(*s));
+  snprintf(s->version, sizeof s->version, "%s", DA_SERVER_VERSION);
+  snprintf(s->backend, sizeof s->backend, "%s", in->name);
+  snprintf(s->arch, sizeof s->arch, "%s", in->arch);
+  s->kernel_version = in->kernel_version;
+  s->fingerprint = in->fingerprint;
+  s->device = d->cfg->device;
+  s->split_tokens = d->num.split_tokens;
+  s->page_tokens = d->cfg->page_tokens;
+  s->start_time_s = (double)wall.tv_sec + (double)wall.tv_nsec * 1e-9 - (double)(now - d->start_ns) * 1e-9;
+  s->backend_up = !d->fatal;
+  s->draining = d->draining;
+  memcpy(s->requests, d->op_codes, sizeof(s->requests));
+  for (int op = 0; op < DA_OP_COUNT; op++) da_metrics_hist_fill(&s->op_seconds[op], &d->op_ns[op], DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->queue_seconds, &d->queue_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->batch_run_seconds, &d->batch_run_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->batch_tokens, &d->batch_tokens, DA_METRICS_SIZE);
+  da_metrics_hist_fill(&s->batch_requests, &d->batch_requests, DA_METRICS_SIZE);
+  s->batches = d->batches;
+  s->forward_tokens = d->forward_tokens;
+  s->inrow_rows = d->inrow_rows;
+  s->partial_rows = d->partial_rows;
+  s->kv_pages_total = da_kvcache_pages_total(d->kv);
+  s->kv_pages_free = da_kvcache_pages_free(d->kv);
+  s->sequences = da_kvcache_seqs_open(d->kv);
+  s->clients = d->n_clients;
+  if (d->planes) {
+    int arenas = 0;
+    da_planes_usage(d->planes, 0, &arenas, &s->arena_bytes);
+    s->arenas = arenas;
+  }
+  if (d->tr) da_transport_counts_get(d->tr, &s->conn);
+  memcpy(s->tensor_bytes, d->tensor_bytes, sizeof(s->tensor_bytes));
+  s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
+  s->now_ns = now;
+  s->start_ns = d->start_ns;
+  s->mem_kv = in->kv_bytes;
+  s->mem_acc = in->acc_bytes;
+  s->mem_staging = in->staging_bytes;
+  s->mem_total = in->mem_total;
+  s->mem_free = in->mem_free;
 }
 
 /* ---- clients and sequences ---- */
@@ -309,6 +365,7 @@ static void submit(da_daemon *d, da_sched_batch *b) {
   da_hist_record(&d->batch_requests, (uint64_t)n_reqs);
   d->batches++;
   d->buf_busy[b - d->bufs] = 1;
+  if (d->n_running == 0) d->busy_since = now;
   d->n_running++;
   da_log_debug("batch %llu: %d tokens, %d requests; %d in the worker", (unsigned long long)d->batches,
                (int)b->tokens, n_reqs, d->n_running);
@@ -378,7 +435,7 @@ static void fail_batch(da_daemon *d, da_sched_batch *b, int code, const char *wh
  * requests it completes. */
 static void batch_done(da_daemon *d, da_sched_batch *b, int status, const da_batch_result *res) {
   d->buf_busy[b - d->bufs] = 0;
-  d->n_running--;
+  if (--d->n_running == 0) d->busy_ns += da_now_ns() - d->busy_since;
   if (status == 0) {
     d->inrow_rows += (uint64_t)res->inrow_rows;
     d->partial_rows += (uint64_t)res->partial_rows;
@@ -601,20 +658,42 @@ static int open_backend(da_daemon *d) {
                        .n_pages = (int)n_pages, .acc_slots = c->acc_slots,
                        .staging_bytes = (size_t)c->staging_mib << 20, .n_threads = c->threads,
                        .device = c->device, .max_batch_tokens = c->max_batch_tokens};
-  char err[256] = "";
+  char err[512] = "";
   int rv = da_backend_open(&d->be, da_config_backend_name(c), &bc, err, sizeof(err));
   if (rv != 0) {
-    da_log_error("backend %s: %s (%s)", da_config_backend_name(c), err, detattn_status_name(rv));
+    da_log_field f[] = {DA_LF_STR("backend", da_config_backend_name(c)), DA_LF_STR("error", err),
+                        DA_LF_STR("status", detattn_status_name(rv))};
+    da_log_event(DA_LOG_ERROR, "backend_failed", f, 3, "backend %s: %s (%s)%s", da_config_backend_name(c), err,
+                 detattn_status_name(rv),
+                 rv == DETATTN_RESOURCE_EXHAUSTED ? "; lower --kv-tokens (or --acc-slots, --staging-mib)" : "");
     return rv;
   }
   d->info = da_backend_get_info(d->be);
   const da_backend_info *in = d->info;
-  da_log_info("backend %s (%s), kernel version %u, S=%d T=%d, fingerprint %016llx", in->name, in->arch,
-              in->kernel_version, d->num.split_tokens, d->num.tile_tokens,
-              (unsigned long long)in->fingerprint);
-  da_log_info("KV cache: %lld tokens in %d pages (%.1f MiB); accumulators: %d slots; staging: %.1f MiB",
-              (long long)in->n_pages * c->page_tokens, in->n_pages, (double)in->kv_bytes / 1048576.0,
-              in->acc_slots, (double)in->staging_bytes / 1048576.0);
+  char fp[20];
+  snprintf(fp, sizeof fp, "%016llx", (unsigned long long)in->fingerprint);
+  da_log_field fb[] = {DA_LF_STR("backend", in->name), DA_LF_STR("arch", in->arch),
+                       DA_LF_INT("kernel_version", in->kernel_version), DA_LF_INT("split_tokens", d->num.split_tokens),
+                       DA_LF_INT("tile_tokens", d->num.tile_tokens), DA_LF_STR("fingerprint", fp),
+                       DA_LF_INT("device", c->device)};
+  da_log_event(DA_LOG_INFO, "backend", fb, 7, "backend %s (%s), kernel version %u, S=%d T=%d, fingerprint %s",
+               in->name, in->arch, in->kernel_version, d->num.split_tokens, d->num.tile_tokens, fp);
+  char staging_src[96] = "";
+  if (in->staging_bytes > 0)
+    snprintf(staging_src, sizeof staging_src, c->staging_mib > 0 ? " (--staging-mib %d)" : " (sized from --max-batch-tokens %d)",
+             c->staging_mib > 0 ? c->staging_mib : c->max_batch_tokens);
+  da_log_field fp_[] = {DA_LF_INT("kv_tokens", (int64_t)in->n_pages * c->page_tokens), DA_LF_INT("kv_pages", in->n_pages),
+                        DA_LF_INT("kv_bytes", in->kv_bytes), DA_LF_INT("acc_slots", in->acc_slots),
+                        DA_LF_INT("acc_bytes", in->acc_bytes), DA_LF_INT("staging_bytes", in->staging_bytes),
+                        DA_LF_INT("max_batch_tokens", in->max_batch_tokens),
+                        DA_LF_INT("device_mem_total", in->mem_total), DA_LF_INT("device_mem_free", in->mem_free)};
+  da_log_event(DA_LOG_INFO, "pools", fp_, 9,
+               "KV cache: %lld tokens in %d pages (%.1f MiB); accumulators: %d slots; staging: %.1f MiB%s",
+               (long long)in->n_pages * c->page_tokens, in->n_pages, (double)in->kv_bytes / 1048576.0, in->acc_slots,
+               (double)in->staging_bytes / 1048576.0, staging_src);
+  if (in->mem_total > 0)
+    da_log_info("device memory: %.1f GiB, %.1f GiB free after the pools", (double)in->mem_total / 1073741824.0,
+                (double)in->mem_free / 1073741824.0);
   return 0;
 }
 
@@ -661,6 +740,10 @@ static int start(da_daemon *d) {
     da_log_error("KV cache bookkeeping: %s", detattn_status_name(rv));
     return rv;
   }
+  if ((int64_t)d->info->n_pages * c->page_tokens < c->max_request_tokens)
+    da_log_warn("the KV cache holds %lld tokens, fewer than --max-request-tokens %d: the largest requests will get "
+                "RESOURCE_EXHAUSTED; raise --kv-tokens to at least %d or lower --max-request-tokens",
+                (long long)d->info->n_pages * c->page_tokens, c->max_request_tokens, c->max_request_tokens);
   d->max_seqs = c->max_seqs;
   int64_t kv_cap = (int64_t)d->info->n_pages * c->page_tokens;
   d->quota_seqs = c->client_max_seqs > 0 ? c->client_max_seqs : c->max_seqs - c->max_seqs / 8;
@@ -763,7 +846,17 @@ static int start(da_daemon *d) {
   uint64_t wd_us = 0;
   if (sd_watchdog_enabled(0, &wd_us) > 0 && wd_us > 0)
     uv_timer_start(&d->watchdog_timer, on_watchdog_timer, wd_us / 2000 + 1, wd_us / 2000 + 1);
-  fprintf(stderr, "listening on %s\n", da_transport_url(d->tr));
+  if (c->http_listen[0]) {
+    da_http_cfg hc = {.url = c->http_listen, .loop = &d->loop, .fill = metrics_fill, .arg = d};
+    if ((rv = da_http_open(&d->http, &hc, err, sizeof(err))) != 0) {
+      da_log_error("%s", err);
+      return rv;
+    }
+    da_log_field f = DA_LF_STR("url", da_http_url(d->http));
+    da_log_event(DA_LOG_INFO, "http_listening", &f, 1, "metrics and probes on %s (/metrics, /healthz, /readyz)",
+                 da_http_url(d->http));
+  }
+  da_log_listening(da_transport_url(d->tr));
   sd_notify(0, "READY=1");
   return 0;
 }
@@ -773,6 +866,8 @@ static void cleanup(da_daemon *d) {
   d->tr = NULL;
   da_planes_close(d->planes);
   d->planes = NULL;
+  da_http_close(d->http);
+  d->http = NULL;
   if (d->loop_inited) {
     if (d->n_handles > 0) close_handles(d);
     uv_run(&d->loop, UV_RUN_DEFAULT);

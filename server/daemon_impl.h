@@ -16,7 +16,9 @@
 #include "backend.h"
 #include "hist.h"
 #include "config.h"
+#include "http.h"
 #include "kvcache.h"
+#include "metrics.h"
 #include "plane.h"
 #include "scheduler.h"
 #include "transport.h"
@@ -131,6 +133,11 @@ typedef struct da_daemon {
   uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
   da_hist batch_tokens, batch_requests, queue_ns, batch_run_ns;
   da_hist op_ns[DA_OP_COUNT]; /* receipt to reply, per op */
+  /* metrics (metrics.h, served by http.h) */
+  da_http *http;
+  uint64_t op_codes[DA_OP_COUNT][DA_METRICS_CODES]; /* replies by op and status code */
+  uint64_t tensor_bytes[DA_METRICS_PLANES][2];      /* admitted Forwards: [plane][in, out] */
+  uint64_t busy_ns, busy_since;                     /* time with a batch in the worker */
 } da_daemon;
 
 /* ---- daemon.c ---- */

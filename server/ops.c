@@ -45,6 +45,7 @@ void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t
       c->op_errors[op]++;
     }
   }
+  if ((unsigned)resp->code < DA_METRICS_CODES) d->op_codes[op][resp->code]++;
   if (resp->code == 0) d->op_ok[op]++;
   else {
     d->errors++;
@@ -283,6 +284,18 @@ static int tensor(da_daemon *d, request *r, int i, const char *field, const da_w
   return 0;
 }
 
+/* Tensor bytes of an admitted Forward, by the plane each tensor travels on (metrics). */
+static void count_plane_bytes(da_daemon *d, const da_wire_request *w, size_t qrow, size_t lrow) {
+  for (int i = 0; i < w->n_seqs; i++) {
+    const da_wire_fwd_seq *fs = &w->seqs[i];
+    const da_wire_tensor *in[3] = {&fs->q, &fs->k, &fs->v};
+    for (int j = 0; j < 3; j++) d->tensor_bytes[in[j]->arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][0] += in[j]->len;
+    d->tensor_bytes[fs->o.arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][1] += (size_t)fs->n_tokens * qrow;
+    if (w->want_lse)
+      d->tensor_bytes[fs->lse.arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][1] += (size_t)fs->n_tokens * lrow;
+  }
+}
+
 static int op_forward(da_daemon *d, request *r) {
   const da_wire_request *w = &r->w;
   const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
@@ -348,6 +361,7 @@ static int op_forward(da_daemon *d, request *r) {
   r->cl->t->inflight_tokens += w->n_tokens;
   for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
   r->n_items = r->items_left = w->n_seqs;
+  count_plane_bytes(d, w, qrow, lrow);
   return 1;
 }
 

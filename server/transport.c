@@ -63,6 +63,7 @@ struct da_transport {
   size_t max_reply_bytes;
   da_peer_policy policy;
   int have_policy;
+  uint32_t policy_ids[2 * DA_POLICY_IDS_MAX]; /* the policy's uids, then gids (copied) */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   da_event *head, *tail;
@@ -724,7 +725,15 @@ int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err
   t->send_timeout_ms = cfg->send_timeout_ms;
   t->max_reply_bytes = cfg->max_reply_bytes;
   if (cfg->policy) {
+    /* The caller's id arrays need not outlive this call: keep copies. */
     t->policy = *cfg->policy;
+    if (t->policy.n_uids > DA_POLICY_IDS_MAX) t->policy.n_uids = DA_POLICY_IDS_MAX;
+    if (t->policy.n_gids > DA_POLICY_IDS_MAX) t->policy.n_gids = DA_POLICY_IDS_MAX;
+    if (t->policy.n_uids > 0) memcpy(t->policy_ids, cfg->policy->uids, (size_t)t->policy.n_uids * sizeof(uint32_t));
+    if (t->policy.n_gids > 0)
+      memcpy(t->policy_ids + DA_POLICY_IDS_MAX, cfg->policy->gids, (size_t)t->policy.n_gids * sizeof(uint32_t));
+    t->policy.uids = t->policy_ids;
+    t->policy.gids = t->policy_ids + DA_POLICY_IDS_MAX;
     t->have_policy = 1;
   }
   pthread_mutex_init(&t->mu, NULL);

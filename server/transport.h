@@ -69,7 +69,9 @@ typedef struct da_event {
 
 /* Who may connect over ipc: the daemon's own uid and root always; then a uid in uids, a
  * gid (the peer's primary gid) in gids, or, when uids is empty, the daemon's own gid.
- * tcp peers have no credentials and are not checked here. */
+ * tcp peers have no credentials and are not checked here. da_transport_open copies the
+ * policy and its first DA_POLICY_IDS_MAX uids and gids. */
+#define DA_POLICY_IDS_MAX 64
 typedef struct da_peer_policy {
   uint32_t self_uid, self_gid;
   const uint32_t *uids;

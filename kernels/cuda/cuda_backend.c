@@ -206,6 +206,24 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
       c->stage_bytes = 2 * per_tok * (size_t)cfg->max_batch_tokens;
   }
   c->stage_bytes = (c->stage_bytes + ALIGN - 1) / ALIGN * ALIGN;
+  {
+    /* Refuse up front, with the numbers, what cudaMalloc would refuse piecemeal. */
+    size_t mfree = 0, mtotal = 0;
+    CUDA_GOTO(NULL, cudaMemGetInfo(&mfree, &mtotal), fail);
+    const size_t reserve = (size_t)256 << 20; /* kernels, streams, the context's own needs */
+    const size_t rest = c->acc_bytes + 4 * c->stage_bytes + reserve;
+    if (c->kv_bytes + rest > mfree) {
+      long long fit = mfree > rest ? (long long)((mfree - rest) / (size_t)c->page_bytes) : 0;
+      snprintf(err, errlen,
+               "cuda: device %d has %zu MiB free; the pools need %zu MiB (KV %zu MiB for %d pages, accumulators "
+               "%zu MiB, staging 4 x %zu MiB) + %zu MiB reserve: at most %lld pages (%lld tokens) of KV fit",
+               cfg->device, mfree >> 20, (c->kv_bytes + c->acc_bytes + 4 * c->stage_bytes) >> 20, c->kv_bytes >> 20,
+               cfg->n_pages, c->acc_bytes >> 20, c->stage_bytes >> 20, reserve >> 20, fit,
+               fit * (long long)cfg->page_tokens);
+      rv = DETATTN_RESOURCE_EXHAUSTED;
+      goto fail;
+    }
+  }
 
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking), fail);
   CUDA_GOTO(NULL, cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking), fail);
@@ -245,6 +263,10 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   info->acc_bytes = c->acc_bytes;
   info->staging_bytes = 4 * c->stage_bytes;
   info->max_batch_tokens = (int)((c->stage_bytes / 2) / per_tok);
+  if (cudaMemGetInfo(&info->mem_free, &info->mem_total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    info->mem_free = info->mem_total = 0;
+  }
   c->args.n_layers = m->n_layers;
   *out = c;
   return 0;

@@ -213,6 +213,55 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
 /* Waits for the call, writes its outputs, frees it, and returns its status. */
 DETATTN_API int detattn_call_wait(detattn_call *call);
 
+/*
+ * Tensor parallelism: several daemons, typically one per GPU (detattnd --device N), used as
+ * one. Rank r's daemon runs the model with a contiguous shard of the heads: q heads
+ * [q0_r, q0_r + Hq_r) and kv heads [kv0_r, kv0_r + Hkv_r), shards in rank order, whole GQA
+ * groups (Hq_r / Hkv_r equal on every rank). Every other setting (layers, head_dim, dtype,
+ * scale, softcap, window, page size, S, T, backend build) must be the same on every rank;
+ * their fingerprints are then equal to that of one daemon holding every head, and so are
+ * the bits of each head: a head is computed by one daemon with the same kernels.
+ *
+ * A TP Forward takes whole-layer tensors (q [n][Hq][d], k and v [n][Hkv][d], o, lse with
+ * Hq = sum of Hq_r), gathers each rank's heads (into its shared-memory arena when it has
+ * one), starts the call on every rank, then waits for every rank and scatters o and lse
+ * back. Sequences are opened, forked, truncated and closed on every rank under one TP id.
+ * A Forward that fails on every rank leaves nothing appended; one that fails on some ranks
+ * only marks its sequences: later calls on them get DETATTN_ABORTED until
+ * detattn_tp_seq_truncate (to the length before that Forward) or detattn_tp_seq_close.
+ * Threads and errors: as for detattn_client.
+ */
+typedef struct detattn_tp detattn_tp;
+typedef struct detattn_tp_call detattn_tp_call;
+
+/* Connects to n_ranks daemons (urls[r] is rank r) with opts (NULL: defaults) and asks each
+ * for Hello; blocks until all answered. FAILED_PRECONDITION (naming the rank and the
+ * setting) when the ranks do not form one model. */
+DETATTN_API int detattn_tp_connect(detattn_tp **out, const char *const *urls, size_t n_ranks,
+                                   const detattn_connect_opts *opts);
+/* Closes every rank's connection (each daemon closes this client's sequences). NULL: no-op. */
+DETATTN_API void detattn_tp_close(detattn_tp *tp);
+/* The whole layer: rank 0's info with the heads summed over ranks, and the smallest
+ * capacity and limits of any rank. */
+DETATTN_API int detattn_tp_hello(detattn_tp *tp, detattn_server_info *out);
+DETATTN_API size_t detattn_tp_ranks(const detattn_tp *tp);
+/* Rank r's own client (for detattn_stats_get), or NULL. Owned by tp. */
+DETATTN_API detattn_client *detattn_tp_rank(detattn_tp *tp, size_t rank);
+/* Rank r's heads: first q head, q heads, first kv head, kv heads (NULL outputs skipped). */
+DETATTN_API int detattn_tp_shard(const detattn_tp *tp, size_t rank, uint32_t *q_head0, uint32_t *n_q_heads,
+                                 uint32_t *kv_head0, uint32_t *n_kv_heads);
+DETATTN_API int detattn_tp_seq_open(detattn_tp *tp, uint64_t *seq_out);
+DETATTN_API int detattn_tp_seq_fork(detattn_tp *tp, uint64_t src, uint64_t *seq_out);
+DETATTN_API int detattn_tp_seq_truncate(detattn_tp *tp, uint64_t seq, uint32_t length);
+DETATTN_API int detattn_tp_seq_close(detattn_tp *tp, uint64_t seq);
+/* Whole-layer Forward over n sequences (items[].seq are TP ids; shapes use the summed
+ * heads). _start returns once every rank's call is started (inputs copied); items[].o and
+ * .lse must stay valid until detattn_tp_call_wait, which waits for every rank. */
+DETATTN_API int detattn_tp_forward(detattn_tp *tp, uint32_t layer, detattn_seq_io *items, size_t n);
+DETATTN_API int detattn_tp_forward_start(detattn_tp *tp, uint32_t layer, detattn_seq_io *items, size_t n,
+                                         detattn_tp_call **out);
+DETATTN_API int detattn_tp_call_wait(detattn_tp_call *call);
+
 #ifdef __cplusplus
 }
 #endif
