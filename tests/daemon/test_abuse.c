@@ -124,7 +124,7 @@ END_TEST
 
 static int raw_connect(const char *url) {
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", url + 6);
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%.100s", url + 6);
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
   if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
