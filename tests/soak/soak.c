@@ -338,7 +338,14 @@ int main(int argc, char **argv) {
   if (st.kv_pages_used || st.sequences) fail("%s", "pages or sequences left behind after the chaos");
   long rss_end = rss_kb();
   int fds_end = fds();
-  if (rss_q > 0 && rss_end > rss_q + 16 * 1024) fail("%s", "RSS grew past the quarter-way sample + 16 MiB");
+#if defined(__SANITIZE_ADDRESS__)
+  /* ASan's quarantine holds freed memory (256 MiB): RSS is not flat by design there; its leak
+   * check at exit covers what this would. */
+  const int rss_checked = 0;
+#else
+  const int rss_checked = 1;
+#endif
+  if (rss_checked && rss_q > 0 && rss_end > rss_q + 16 * 1024) fail("%s", "RSS grew past the quarter-way sample + 16 MiB");
   if (fds_q > 0 && fds_end > fds_q + 8) fail("%s", "open descriptors grew");
   /* Replay every survivor sequence alone. */
   int n = atomic_load(&n_recs) < MAX_SEQS ? atomic_load(&n_recs) : MAX_SEQS, compared = 0, differ = 0;
