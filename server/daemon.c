@@ -3,6 +3,7 @@
  * formation and completion, stats, start and stop. The op handlers are in ops.c.
  */
 #include "daemon.h"
+#include "fault.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -378,16 +379,24 @@ static da_sched_batch *free_buf(da_daemon *d) {
   return NULL;
 }
 
+static void on_wait_timer(uv_timer_t *t) { kick(t->data); }
+
+/* A batch that cannot be formed (out of memory) leaves its requests queued, whole: the loop
+ * tries again in FORM_RETRY_MS, logging once per run of failures. */
+#define FORM_RETRY_MS 10
+
 static int form(da_daemon *d, da_sched_batch *b) {
   int rv = da_sched_form(d->sched, b, da_now_ns());
   if (rv != 0) {
-    da_log_error("forming a batch: %s", detattn_status_name(rv));
+    if (!d->form_failing) da_log_error("forming a batch: %s; retrying every %d ms", detattn_status_name(rv), FORM_RETRY_MS);
+    d->form_failing = 1;
+    if (!uv_is_active((uv_handle_t *)&d->wait_timer)) uv_timer_start(&d->wait_timer, on_wait_timer, FORM_RETRY_MS, 0);
     return 0;
   }
+  if (d->form_failing) da_log_info("forming batches again");
+  d->form_failing = 0;
   return b->n_entries > 0 || b->b.n_copies > 0;
 }
-
-static void on_wait_timer(uv_timer_t *t) { kick(t->data); }
 
 /* Keeps the worker busy: when it is idle, form a batch as soon as the wait window allows;
  * while one batch runs, form the next one from whatever work is waiting and hand it over
@@ -737,7 +746,7 @@ static int start(da_daemon *d) {
   da_kvcache_cfg kc = {.n_layers = c->layers, .page_tokens = c->page_tokens, .n_pages = d->info->n_pages,
                        .max_seqs = c->max_seqs, .max_seq_tokens = c->max_seq_tokens};
   if ((rv = da_kvcache_alloc(&d->kv, &kc)) != 0) {
-    da_log_error("KV cache bookkeeping: %s", detattn_status_name(rv));
+    da_log_error("KV cache bookkeeping: %s", rv == DETATTN_RESOURCE_EXHAUSTED ? "out of memory" : detattn_status_name(rv));
     return rv;
   }
   if ((int64_t)d->info->n_pages * c->page_tokens < c->max_request_tokens)
@@ -754,7 +763,10 @@ static int start(da_daemon *d) {
   da_log_info("quotas per client: %lld sequences, %lld KV tokens, %lld tokens in flight", (long long)d->quota_seqs,
               (long long)d->quota_kv_tokens, (long long)d->quota_inflight_tokens);
   d->seqs = calloc((size_t)d->max_seqs, sizeof(*d->seqs));
-  if (d->seqs == NULL) return DETATTN_RESOURCE_EXHAUSTED;
+  if (d->seqs == NULL) {
+    da_log_error("out of memory for the sequence table (%d sequences)", d->max_seqs);
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
   int budget = c->max_batch_tokens;
   if (d->info->max_batch_tokens > 0 && d->info->max_batch_tokens < budget) {
     if (d->info->max_batch_tokens < c->max_request_tokens + c->split_tokens) {
@@ -772,7 +784,10 @@ static int start(da_daemon *d) {
                      .max_batch_tokens = budget, .max_request_tokens = c->max_request_tokens,
                      .acc_slots = d->info->acc_slots, .partial_rows = c->partial_rows,
                      .decode_tokens = c->decode_tokens, .max_prefill_tokens = c->max_prefill_tokens};
-  if ((rv = da_sched_alloc(&d->sched, &sc, d->kv)) != 0) return rv;
+  if ((rv = da_sched_alloc(&d->sched, &sc, d->kv)) != 0) {
+    da_log_error("scheduler: %s", rv == DETATTN_RESOURCE_EXHAUSTED ? "out of memory" : detattn_status_name(rv));
+    return rv;
+  }
   for (int i = 0; i < DA_WORKER_MAX; i++) da_sched_batch_init(&d->bufs[i]);
 
   if ((rv = uv_loop_init(&d->loop)) != 0) {
@@ -801,7 +816,8 @@ static int start(da_daemon *d) {
   uv_signal_start(&d->sigint, on_signal, SIGINT);
 
   if ((rv = da_worker_start(&d->worker, d->be, on_worker_done, d)) != 0) {
-    da_log_error("cannot start the backend worker thread");
+    da_log_error("cannot start the backend worker thread: %s",
+                 rv == DETATTN_RESOURCE_EXHAUSTED ? "out of memory" : detattn_status_name(rv));
     return rv;
   }
   if (c->fail_after_batches > 0) {
@@ -857,6 +873,7 @@ static int start(da_daemon *d) {
                  da_http_url(d->http));
   }
   da_log_listening(da_transport_url(d->tr));
+  da_fault_ready();
   sd_notify(0, "READY=1");
   return 0;
 }

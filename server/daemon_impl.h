@@ -98,6 +98,7 @@ typedef struct da_daemon {
   uv_async_t ev_async, done_async;
   uv_signal_t sigterm, sigint;
   uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer, listen_timer;
+  int form_failing; /* the last batch could not be formed (out of memory): retrying */
   int n_handles; /* open uv handles */
   da_backend *be;
   const da_backend_info *info;

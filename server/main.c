@@ -3,6 +3,7 @@
 
 #include "config.h"
 #include "daemon.h"
+#include "fault.h"
 #include "log.h"
 
 extern char **environ;
@@ -10,6 +11,7 @@ extern char **environ;
 int main(int argc, char **argv) {
   static da_config cfg;
   char err[1024];
+  da_fault_init();
   if (da_config_load(&cfg, argc, argv, environ, err, sizeof(err)) != 0) {
     /* The settings read before the bad one apply: --log-format json, if it came first. */
     if (cfg.log_format == DA_LOG_JSON) {

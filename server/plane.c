@@ -303,7 +303,10 @@ static int open_side(da_planes *p, char *err, size_t errlen) {
 
 int da_planes_open(da_planes **out, const da_planes_cfg *cfg, char *err, size_t errlen) {
   da_planes *p = calloc(1, sizeof(*p));
-  if (p == NULL) return DETATTN_RESOURCE_EXHAUSTED;
+  if (p == NULL) {
+    snprintf(err, errlen, "data planes: out of memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
   p->cfg = *cfg;
   p->listen_fd = -1;
   p->names[0] = "copy";

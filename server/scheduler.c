@@ -15,6 +15,7 @@ struct da_sched_tenant {
 
 struct da_sched {
   da_sched_cfg cfg;
+  int oom; /* a unit could not be taken for lack of memory while forming this batch */
   da_kvcache *kv;
   da_sched_tenant *ring; /* the tenant the next batch starts from; NULL when no work */
   da_sched_tenant *buckets[TENANT_BUCKETS];
@@ -319,7 +320,11 @@ static int take_unit(da_sched *s, da_sched_batch *b, da_sched_queue *q, room *rm
     if (b->n_entries == b->cap_entries) return 0;
     size_t off;
     int np;
-    if (snapshot(s, b, it, &off, &np) != 0) return 0;
+    int rv = snapshot(s, b, it, &off, &np);
+    if (rv != 0) {
+      s->oom |= rv == DETATTN_RESOURCE_EXHAUSTED; /* the unit stays queued, whole */
+      return 0;
+    }
     int e = b->n_entries++;
     b->entries[e] = (da_sched_entry){.item = it, .q0 = it->q_next, .nq = nq, .appends = !it->appended};
     /* The pointer is fixed up once every snapshot is in place. */
@@ -380,6 +385,7 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
   b->n_pages = 0;
   b->formed_ns = now_ns;
   b->b = (da_batch){0};
+  s->oom = 0;
   if (ensure_storage(s, b) != 0) return DETATTN_RESOURCE_EXHAUSTED;
   if (grow((void **)&b->copies, &b->cap_copies, s->n_copies, sizeof(*b->copies)))
     return DETATTN_RESOURCE_EXHAUSTED;
@@ -476,6 +482,8 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
   b->b.attns = b->attns;
   b->b.n_attns = b->n_entries;
   b->b.split_mode = choose_mode(s, b);
+  /* Work waits but nothing could be taken: the caller retries (an empty batch would not). */
+  if (s->oom && b->n_entries == 0 && n_copies == 0) return DETATTN_RESOURCE_EXHAUSTED;
   return 0;
 }
 

@@ -336,6 +336,11 @@ static void on_recv(da_tctx *c) {
   nng_aio_set_msg(c->aio, NULL);
   da_event *ev = calloc(1, sizeof(*ev));
   if (ev == NULL) {
+    /* No reply can be promised: close the connection, so its client learns at once
+     * (UNAVAILABLE) instead of waiting for a reply that will not come. */
+    nng_pipe p = nng_msg_get_pipe(msg);
+    da_log_warn("client %u: out of memory receiving a request; connection closed", (unsigned)nng_pipe_id(p));
+    nng_pipe_close(p);
     nng_msg_free(msg);
     deliver(t, c->ticket, &no_event);
     recv_again(c);
@@ -716,7 +721,10 @@ void da_transport_check_listener(da_transport *t) {
 int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen) {
   int rv;
   da_transport *t = calloc(1, sizeof(*t));
-  if (t == NULL) return DETATTN_RESOURCE_EXHAUSTED;
+  if (t == NULL) {
+    snprintf(err, errlen, "transport: out of memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
   t->limits = cfg->limits;
   t->notify = cfg->notify;
   t->arg = cfg->arg;

@@ -158,7 +158,8 @@ static int create(void **ctx, const da_backend_cfg *cfg, da_backend_info *info, 
   }
   rv = da_cpu_pool_init(&be->pool, be->cfg.n_threads);
   if (rv != 0) {
-    snprintf(err, errlen, "cannot start %d worker threads", be->cfg.n_threads);
+    snprintf(err, errlen, "cannot start %d worker threads%s", be->cfg.n_threads,
+             rv == DETATTN_RESOURCE_EXHAUSTED ? ": out of memory or threads" : "");
     free_all(be);
     return rv;
   }
