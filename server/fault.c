@@ -9,6 +9,12 @@
  * allocations do not. Environment:
  *   DA_FAULT_AT=N      fail the N-th counted allocation (1-based), then none
  *   DA_FAULT_FROM=start|ready   count from main() (default) or from "listening on"
+ *   DA_FAULT_CUDA_AT=N (CUDA builds) fail the N-th counted CUDA runtime call instead:
+ *                      cudaMalloc, cudaMallocHost, cudaHostAlloc (cudaErrorMemoryAllocation),
+ *                      cudaStreamCreateWithFlags, cudaEventCreateWithFlags, cudaMemcpyAsync,
+ *                      cudaMemsetAsync and kernel launches (cudaErrorLaunchOutOfResources,
+ *                      not sticky; a launch that "fails" is skipped and its error is what
+ *                      the next cudaGetLastError on that thread returns)
  * When the fault fires, "detattnd: fault: allocation N failed (injected)" goes to stderr.
  * tests/daemon/test_fault.c loops N over the daemon's start and over a client workload.
  */
@@ -23,15 +29,15 @@
 #include <string.h>
 #include <unistd.h>
 
-static atomic_long countdown; /* allocations left before the failing one; <= 0: none */
+static atomic_long countdown, cuda_countdown; /* calls left before the failing one; <= 0: none */
 static atomic_int armed;
-static long fail_at;
+static long fail_at, cuda_fail_at;
 
-static int fail_now(void) {
+static int fire(atomic_long *left, long at, const char *what) {
   if (!atomic_load_explicit(&armed, memory_order_relaxed)) return 0;
-  if (atomic_fetch_sub_explicit(&countdown, 1, memory_order_relaxed) != 1) return 0;
+  if (atomic_fetch_sub_explicit(left, 1, memory_order_relaxed) != 1) return 0;
   char line[96];
-  int n = snprintf(line, sizeof line, "detattnd: fault: allocation %ld failed (injected)\n", fail_at);
+  int n = snprintf(line, sizeof line, "detattnd: fault: %s %ld failed (injected)\n", what, at);
   if (n > 0) {
     ssize_t w = write(2, line, (size_t)n); /* no allocation, no lock */
     (void)w;
@@ -43,17 +49,25 @@ static int fail_now(void) {
   return 1;
 }
 
+static int fail_now(void) { return fire(&countdown, fail_at, "allocation"); }
+
 void da_fault_init(void) {
-  const char *at = getenv("DA_FAULT_AT"), *from = getenv("DA_FAULT_FROM");
-  if (at == NULL || (fail_at = strtol(at, NULL, 10)) <= 0) return;
+  const char *at = getenv("DA_FAULT_AT"), *cat = getenv("DA_FAULT_CUDA_AT"), *from = getenv("DA_FAULT_FROM");
+  if (cat != NULL && (cuda_fail_at = strtol(cat, NULL, 10)) > 0) {
+    atomic_store(&cuda_countdown, cuda_fail_at);
+    if (at == NULL) at = "0";
+  }
+  if (at == NULL) return;
+  fail_at = strtol(at, NULL, 10);
+  if (fail_at <= 0 && cuda_fail_at <= 0) return;
   void *pc;
   backtrace(&pc, 1); /* loads the unwinder now, not inside a failing allocation */
-  atomic_store(&countdown, fail_at);
+  atomic_store(&countdown, fail_at > 0 ? fail_at : 0);
   if (from == NULL || strcmp(from, "ready") != 0) atomic_store(&armed, 1);
 }
 
 void da_fault_ready(void) {
-  if (fail_at > 0) atomic_store(&armed, 1);
+  if (fail_at > 0 || cuda_fail_at > 0) atomic_store(&armed, 1);
 }
 
 void *__real_malloc(size_t n);
@@ -75,4 +89,54 @@ int __wrap_nng_msg_alloc(nng_msg **m, size_t n) { return fail_now() ? NNG_ENOMEM
 int __wrap_nng_aio_alloc(nng_aio **a, void (*cb)(void *), void *arg) {
   return fail_now() ? NNG_ENOMEM : __real_nng_aio_alloc(a, cb, arg);
 }
+
+#ifdef DETATTN_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+static int cuda_now(void) { return fire(&cuda_countdown, cuda_fail_at, "CUDA call"); }
+static _Thread_local cudaError_t pending; /* a skipped launch's error, for cudaGetLastError */
+
+cudaError_t __real_cudaMalloc(void **p, size_t n);
+cudaError_t __real_cudaMallocHost(void **p, size_t n);
+cudaError_t __real_cudaHostAlloc(void **p, size_t n, unsigned flags);
+cudaError_t __real_cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags);
+cudaError_t __real_cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags);
+cudaError_t __real_cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k, cudaStream_t st);
+cudaError_t __real_cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st);
+cudaError_t __real_cudaLaunchKernel(const void *f, dim3 g, dim3 b, void **args, size_t smem, cudaStream_t st);
+cudaError_t __real_cudaGetLastError(void);
+
+cudaError_t __wrap_cudaMalloc(void **p, size_t n) { return cuda_now() ? cudaErrorMemoryAllocation : __real_cudaMalloc(p, n); }
+cudaError_t __wrap_cudaMallocHost(void **p, size_t n) {
+  return cuda_now() ? cudaErrorMemoryAllocation : __real_cudaMallocHost(p, n);
+}
+cudaError_t __wrap_cudaHostAlloc(void **p, size_t n, unsigned flags) {
+  return cuda_now() ? cudaErrorMemoryAllocation : __real_cudaHostAlloc(p, n, flags);
+}
+cudaError_t __wrap_cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags) {
+  return cuda_now() ? cudaErrorLaunchOutOfResources : __real_cudaStreamCreateWithFlags(s, flags);
+}
+cudaError_t __wrap_cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+  return cuda_now() ? cudaErrorLaunchOutOfResources : __real_cudaEventCreateWithFlags(e, flags);
+}
+cudaError_t __wrap_cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k, cudaStream_t st) {
+  return cuda_now() ? cudaErrorLaunchOutOfResources : __real_cudaMemcpyAsync(d, s, n, k, st);
+}
+cudaError_t __wrap_cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) {
+  return cuda_now() ? cudaErrorLaunchOutOfResources : __real_cudaMemsetAsync(d, v, n, st);
+}
+cudaError_t __wrap_cudaLaunchKernel(const void *f, dim3 g, dim3 b, void **args, size_t smem, cudaStream_t st) {
+  if (cuda_now()) {
+    pending = cudaErrorLaunchOutOfResources;
+    return pending;
+  }
+  return __real_cudaLaunchKernel(f, g, b, args, smem, st);
+}
+cudaError_t __wrap_cudaGetLastError(void) {
+  cudaError_t e = pending;
+  pending = cudaSuccess;
+  cudaError_t r = __real_cudaGetLastError();
+  return e != cudaSuccess ? e : r;
+}
+#endif
 #endif

@@ -27,9 +27,15 @@
 #include "detattn.h"
 
 enum { HQ = 4, HKV = 2, HD = 64, PROMPT = 40 };
-static const char *const ARGS[] = {"--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
-                                   "--kv-tokens", "4096", "--split-tokens", "64", "--tile-tokens", "16",
-                                   "--threads", "1", "--max-seqs", "64", NULL};
+static const char *const CPU_ARGS[] = {"--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                       "--kv-tokens", "4096", "--split-tokens", "64", "--tile-tokens", "16",
+                                       "--threads", "1", "--max-seqs", "64", NULL};
+/* DA_TEST_FAULT_CUDA=1 (on the GPU machine): CUDA runtime calls fail instead (fault.c). */
+static const char *const CUDA_ARGS[] = {"--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                        "--kv-tokens", "4096", "--split-tokens", "64", "--tile-tokens", "64",
+                                        "--max-seqs", "64", "--backend", "cuda", "--staging-mib", "16", NULL};
+static const char *const *ARGS = CPU_ARGS;
+static const char *AT_VAR = "DA_FAULT_AT";
 static int failures;
 
 #define FAIL(...)                                                   \
@@ -81,7 +87,7 @@ static int run_start(const char *detattnd, long min_n, long max_n) {
   for (n_at = min_n; n_at <= max_n; n_at++) {
     char v[32];
     snprintf(v, sizeof v, "%ld", n_at);
-    setenv("DA_FAULT_AT", v, 1);
+    setenv(AT_VAR, v, 1);
     setenv("DA_FAULT_FROM", "start", 1);
     da_daemon_proc d;
     int started = da_daemon_start(&d, detattnd, ARGS) == 0;
@@ -114,12 +120,12 @@ static int run_start(const char *detattnd, long min_n, long max_n) {
              WIFSIGNALED(d.exit_status) ? ", a signal" : "");
         da_daemon_dump_log(&d);
       } else if (!da_daemon_log_has(&d, "out of memory") && !da_daemon_log_has(&d, "Out of memory") &&
-                 !da_daemon_log_has(&d, "cannot allocate")) {
+                 !da_daemon_log_has(&d, "cannot allocate") && !da_daemon_log_has(&d, "cuda: ")) {
         FAIL("exited %d without saying it ran out of memory", WEXITSTATUS(d.exit_status));
         da_daemon_dump_log(&d);
       }
     }
-    int fired = da_daemon_log_has(&d, "fault: allocation");
+    int fired = da_daemon_log_has(&d, "(injected)");
     da_daemon_stop(&d);
     if (!fired) break; /* N passed every allocation of the start */
   }
@@ -131,7 +137,7 @@ static int run_workload(const char *detattnd, long min_n, long max_n) {
   for (n_at = min_n; n_at <= max_n; n_at++) {
     char v[32];
     snprintf(v, sizeof v, "%ld", n_at);
-    setenv("DA_FAULT_AT", v, 1);
+    setenv(AT_VAR, v, 1);
     setenv("DA_FAULT_FROM", "ready", 1);
     da_daemon_proc d;
     if (da_daemon_start(&d, detattnd, ARGS) != 0) {
@@ -147,7 +153,14 @@ static int run_workload(const char *detattnd, long min_n, long max_n) {
       da_daemon_dump_log(&d);
     }
     detattn_close(c1);
-    int fired = da_daemon_log_has(&d, "fault: allocation");
+    int fired = da_daemon_log_has(&d, "(injected)");
+    if (fired && da_daemon_log_has(&d, "device failed for good")) {
+      /* A CUDA error the backend counts as sticky: it must exit on its own, with its code. */
+      if (da_daemon_wait(&d, 30000) != 0 || !WIFEXITED(d.exit_status) || WEXITSTATUS(d.exit_status) == 0)
+        FAIL("the device failed but the daemon did not exit with an error (status %d)", d.exit_status);
+      da_daemon_stop(&d);
+      continue;
+    }
     /* The daemon serves on. */
     /* A fault still to come may refuse this client's connection once: then a second
      * client must run it all. */
@@ -189,6 +202,14 @@ int main(int argc, char **argv) {
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
+  if (getenv("DA_TEST_FAULT_CUDA")) {
+    if (access("/dev/nvidia0", F_OK) != 0) {
+      printf("skip: no CUDA device\n");
+      return 77;
+    }
+    ARGS = CUDA_ARGS;
+    AT_VAR = "DA_FAULT_CUDA_AT";
+  }
   long max_n = argc > 3 ? atol(argv[3]) : 100000, min_n = argc > 4 ? atol(argv[4]) : 1;
   if (strcmp(argv[2], "start") == 0) return run_start(argv[1], min_n, max_n);
   return run_workload(argv[1], min_n, max_n);
