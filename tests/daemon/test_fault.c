@@ -83,14 +83,29 @@ static int workload(detattn_client *c) {
 #undef CALL
 }
 
+/* Starts the daemon with its N-th call (counted from `from`) set to fail; 0 when it listens. */
+static int start_with_fault(da_daemon_proc *d, const char *detattnd, const char *from) {
+  char v[32];
+  snprintf(v, sizeof v, "%ld", n_at);
+  setenv(AT_VAR, v, 1);
+  setenv("DA_FAULT_FROM", from, 1);
+  return da_daemon_start(d, detattnd, ARGS);
+}
+
+/* SIGTERM must end it with status 0 (under ASan: no leak). */
+static void stop_clean(da_daemon_proc *d) {
+  kill(d->pid, SIGTERM);
+  if (da_daemon_wait(d, 20000) != 0) FAIL("no exit after SIGTERM");
+  else if (!WIFEXITED(d->exit_status) || WEXITSTATUS(d->exit_status) != 0) {
+    FAIL("SIGTERM exit status %d%s", d->exit_status, WIFSIGNALED(d->exit_status) ? " (a signal)" : "");
+    da_daemon_dump_log(d);
+  }
+}
+
 static int run_start(const char *detattnd, long min_n, long max_n) {
   for (n_at = min_n; n_at <= max_n; n_at++) {
-    char v[32];
-    snprintf(v, sizeof v, "%ld", n_at);
-    setenv(AT_VAR, v, 1);
-    setenv("DA_FAULT_FROM", "start", 1);
     da_daemon_proc d;
-    int started = da_daemon_start(&d, detattnd, ARGS) == 0;
+    int started = start_with_fault(&d, detattnd, "start") == 0;
     if (started) {
       /* A fault after "listening on" may refuse the first connection (out of memory at
        * admission): the second must be served. */
@@ -107,12 +122,7 @@ static int run_start(const char *detattnd, long min_n, long max_n) {
         FAIL("started but two hellos failed: %s", detattn_errmsg());
         da_daemon_dump_log(&d);
       }
-      kill(d.pid, SIGTERM);
-      if (da_daemon_wait(&d, 20000) != 0) FAIL("no exit after SIGTERM");
-      else if (!WIFEXITED(d.exit_status) || WEXITSTATUS(d.exit_status) != 0) {
-        FAIL("SIGTERM exit status %d%s", d.exit_status, WIFSIGNALED(d.exit_status) ? " (a signal)" : "");
-        da_daemon_dump_log(&d);
-      }
+      stop_clean(&d);
     } else {
       da_daemon_wait(&d, 5000);
       if (d.pid != 0 || !WIFEXITED(d.exit_status) || WEXITSTATUS(d.exit_status) == 0) {
@@ -135,12 +145,8 @@ static int run_start(const char *detattnd, long min_n, long max_n) {
 
 static int run_workload(const char *detattnd, long min_n, long max_n) {
   for (n_at = min_n; n_at <= max_n; n_at++) {
-    char v[32];
-    snprintf(v, sizeof v, "%ld", n_at);
-    setenv(AT_VAR, v, 1);
-    setenv("DA_FAULT_FROM", "ready", 1);
     da_daemon_proc d;
-    if (da_daemon_start(&d, detattnd, ARGS) != 0) {
+    if (start_with_fault(&d, detattnd, "ready") != 0) {
       FAIL("did not start");
       break;
     }
@@ -183,12 +189,7 @@ static int run_workload(const char *detattnd, long min_n, long max_n) {
     }
     if (st.kv_pages_used || st.sequences) FAIL("%u pages and %u sequences left", st.kv_pages_used, st.sequences);
     detattn_close(c2);
-    kill(d.pid, SIGTERM);
-    if (da_daemon_wait(&d, 20000) != 0) FAIL("no exit after SIGTERM");
-    else if (!WIFEXITED(d.exit_status) || WEXITSTATUS(d.exit_status) != 0) {
-      FAIL("SIGTERM exit status %d%s", d.exit_status, WIFSIGNALED(d.exit_status) ? " (a signal)" : "");
-      da_daemon_dump_log(&d);
-    }
+    stop_clean(&d);
     da_daemon_stop(&d);
     if (!fired) break;
   }

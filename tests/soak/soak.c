@@ -155,23 +155,29 @@ static pid_t spawn(const char *role) {
   return pid;
 }
 
+/* A chaos client: opens up to n_seqs sequences with a prompt of n tokens each, starting the
+ * forwards (wait 0) or waiting for each until one is refused (wait 1, a quota). */
+static int prompts(const char *url, int n_seqs, int n, int wait) {
+  detattn_client *c;
+  if (detattn_connect(&c, url)) return 1;
+  static uint16_t q[512 * QROW], kv[512 * KVROW], o[512 * QROW];
+  memset(q, 0x3c, sizeof q);
+  memset(kv, 0x3b, sizeof kv);
+  for (int i = 0; i < n_seqs; i++) {
+    uint64_t s;
+    if (detattn_seq_open(c, &s)) break;
+    detattn_seq_io io = {.seq = s, .pos = 0, .n_tokens = (uint32_t)n, .q = q, .k = kv, .v = kv, .o = o};
+    detattn_call *call;
+    if (wait ? detattn_forward(c, 0, &io, 1) != DETATTN_OK : detattn_forward_start(c, 0, &io, 1, &call) != DETATTN_OK)
+      break;
+  }
+  return 0; /* nothing closed: the process exits or is killed */
+}
+
 /* Starts forwards on 4 sequences and waits to be SIGKILLed. */
 static int role_killed(const char *url) {
-  {
-    detattn_client *c;
-    if (detattn_connect(&c, url)) return 1;
-    static uint16_t q[300 * QROW], kv[300 * KVROW], o[300 * QROW];
-    memset(q, 0x3c, sizeof q);
-    memset(kv, 0x3b, sizeof kv);
-    for (int i = 0; i < 4; i++) {
-      uint64_t s;
-      if (detattn_seq_open(c, &s)) break;
-      detattn_seq_io io = {.seq = s, .pos = 0, .n_tokens = 300, .q = q, .k = kv, .v = kv, .o = o};
-      detattn_call *call;
-      detattn_forward_start(c, 0, &io, 1, &call);
-    }
-    for (;;) pause();
-  }
+  if (prompts(url, 4, 300, 0)) return 1;
+  for (;;) pause();
 }
 
 static void child_killed(void) {
@@ -232,21 +238,9 @@ static void churn(void) {
 
 /* Fills its quota with 512-token prompts and exits without closing anything. */
 static int role_hog(const char *url) {
-  {
-    detattn_client *c;
-    if (detattn_connect(&c, url)) return 1;
-    static uint16_t q[512 * QROW], kv[512 * KVROW], o[512 * QROW];
-    memset(q, 0x3c, sizeof q);
-    memset(kv, 0x3b, sizeof kv);
-    for (int i = 0; i < 64; i++) {
-      uint64_t s;
-      if (detattn_seq_open(c, &s)) break;
-      detattn_seq_io io = {.seq = s, .pos = 0, .n_tokens = 512, .q = q, .k = kv, .v = kv, .o = o};
-      if (detattn_forward(c, 0, &io, 1)) break; /* its quota */
-    }
-    usleep(200000);
-    _exit(0);
-  }
+  int rv = prompts(url, 64, 512, 1);
+  usleep(200000);
+  _exit(rv);
 }
 
 static void child_hog(void) { spawn("--role-hog"); }
