@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -417,7 +418,7 @@ static void setup_sigterm(void) {
 
 typedef struct loader {
   const char *url;
-  volatile int *stop;
+  atomic_int *stop;
   int calls;
 } loader;
 
@@ -467,7 +468,7 @@ START_TEST(sigterm_under_load_exits_within_its_deadline_every_time) {
   int clean = 0;
   for (int it = 0; it < ITER; it++) {
     if (it > 0) ck_assert_msg(da_daemon_restart(&D, DETATTND_PATH, args) == 0, "iteration %d: no restart on the same path", it);
-    volatile int stop = 0;
+    atomic_int stop = 0;
     pthread_t thr[CLIENTS];
     loader ls[CLIENTS];
     for (int i = 0; i < CLIENTS; i++) {
@@ -696,7 +697,7 @@ static void setup_stats(void) {
 }
 
 static void *stats_flood(void *arg) {
-  volatile int *stop = arg;
+  atomic_int *stop = arg;
   detattn_client *c;
   detattn_stats s;
   if (detattn_connect(&c, D.url) != DETATTN_OK) return NULL;
@@ -739,7 +740,7 @@ START_TEST(a_stats_flood_does_not_slow_a_victim) {
   /* Fill the statistics so a sorting implementation would have full rings to sort. */
   victim_p99(400);
   double alone = victim_p99(400);
-  volatile int stop = 0;
+  atomic_int stop = 0;
   pthread_t thr[4];
   for (int i = 0; i < 4; i++) pthread_create(&thr[i], NULL, stats_flood, (void *)&stop);
   double flooded = victim_p99(400);

@@ -680,7 +680,8 @@ END_TEST
 static void setup_sigterm(void) {
   static const char *const args[] = {"--layers", "1", "--q-heads", "8", "--kv-heads", "2", "--head-dim", "128",
                                      "--dtype", "bf16", "--page-tokens", "16", "--kv-tokens", "8192",
-                                     "--split-tokens", "256", "--tile-tokens", "64", "--threads", "1", NULL};
+                                     "--split-tokens", "256", "--tile-tokens", "64", "--threads", "1",
+                                     "--drain-timeout-ms", "120000", NULL}; /* ThreadSanitizer: ~25 s */
   start_daemon(args);
 }
 
