@@ -169,6 +169,9 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
        "Connections the daemon closed, by reason (a reader too slow for its replies, idle).");
   put(&b, "detattn_connections_dropped_total{reason=\"slow_reader\"} %llu\n", (unsigned long long)s->conn.dropped_slow);
   put(&b, "detattn_connections_dropped_total{reason=\"idle\"} %llu\n", (unsigned long long)s->conn.dropped_idle);
+  head(&b, "detattn_listener_replaced_total", "counter",
+       "ipc listeners replaced after one stopped taking connections (libnng 1.5.2; should stay 0).");
+  put(&b, "detattn_listener_replaced_total %llu\n", (unsigned long long)s->conn.listener_replaced);
 
   head(&b, "detattn_tensor_bytes_total", "counter",
        "Tensor bytes of admitted Forwards, by data plane and direction (in: q, k, v; out: o, lse).");
