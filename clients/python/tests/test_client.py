@@ -3,6 +3,7 @@ torch, async calls, every plane giving the same bits, and errors that carry the 
 status and message."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -205,7 +206,10 @@ def test_close_waits_for_calls_in_flight(url):
     with pytest.raises(detattn.Cancelled):
         c.forward(0, [SeqIO(s, 9, rand(rng, 1, 4, 64), rand(rng, 1, 2, 64), rand(rng, 1, 2, 64))])
     s.close()  # a no-op: the daemon closed it with the connection
-    with detattn.Client(url) as c2:
+    with detattn.Client(url) as c2:  # the daemon frees a closed connection's sequences when
+        deadline = time.monotonic() + 5  # it sees the pipe go, which c2's calls may overtake
+        while c2.stats().sequences and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert c2.stats().sequences == 0
 
 
@@ -242,7 +246,7 @@ def test_import_without_numpy_or_torch(url, tmp_path):
         "from detattn import client\n"
         "assert client.np is None and client.torch is None\n"
         f"with detattn.Client({url!r}) as c, c.seq_open() as s:\n"
-        "    assert c.hello().model.n_q_heads == 4 and c.stats().sequences == 1\n"
+        "    assert c.hello().model.n_q_heads == 4 and c.stats().sequences >= 1\n"
         "    try:\n"
         "        c.forward(0, [detattn.SeqIO(s, 0, [[0.0]], [[0.0]], [[0.0]])])\n"
         "    except detattn.InvalidArgument as e:\n"
