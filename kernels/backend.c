@@ -85,6 +85,45 @@ int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res) {
 const da_backend_info *da_backend_get_info(const da_backend *be) { return &be->info; }
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be) { return &be->cfg; }
 
+int da_backend_has_device_memory(const da_backend *be) { return be->ops->map_host != NULL; }
+
+static int no_device_memory(const da_backend *be, char *err, size_t errlen) {
+  snprintf(err, errlen, "the %s backend has no device memory to map", be->ops->name);
+  return DETATTN_UNIMPLEMENTED;
+}
+
+int da_backend_map_host(da_backend *be, void *p, size_t n, void **dev, char *err, size_t errlen) {
+  if (be->ops->map_host == NULL) return no_device_memory(be, err, errlen);
+  return be->ops->map_host(be->ctx, p, n, dev, err, errlen);
+}
+
+void da_backend_unmap_host(da_backend *be, void *p) {
+  if (be->ops->unmap_host) be->ops->unmap_host(be->ctx, p);
+}
+
+int da_backend_map_ipc(da_backend *be, const void *handle, size_t handle_len, uint64_t size, void **dev, char *err,
+                       size_t errlen) {
+  if (be->ops->map_ipc == NULL) return no_device_memory(be, err, errlen);
+  return be->ops->map_ipc(be->ctx, handle, handle_len, size, dev, err, errlen);
+}
+
+void da_backend_unmap_ipc(da_backend *be, void *dev) {
+  if (be->ops->unmap_ipc) be->ops->unmap_ipc(be->ctx, dev);
+}
+
+int da_backend_event_open(da_backend *be, const void *handle, size_t handle_len, void **ev, char *err, size_t errlen) {
+  if (be->ops->event_open == NULL) return no_device_memory(be, err, errlen);
+  return be->ops->event_open(be->ctx, handle, handle_len, ev, err, errlen);
+}
+
+void da_backend_event_close(da_backend *be, void *ev) {
+  if (be->ops->event_close) be->ops->event_close(be->ctx, ev);
+}
+
+int da_backend_event_query(da_backend *be, void *ev) {
+  return be->ops->event_query ? be->ops->event_query(be->ctx, ev) : 1;
+}
+
 static void res_clear(da_batch_result *res) {
   res->inrow_rows = res->partial_rows = 0;
   res->err[0] = '\0';

@@ -59,6 +59,8 @@ typedef struct da_append {
   int n_pages;
   const void *k; /* [n_tokens][n_kv_heads][head_dim], model dtype */
   const void *v; /* [n_tokens][n_kv_heads][head_dim] */
+  int dev;       /* k and v are device addresses (da_backend_map_*): the backend reads them
+                    with a kernel instead of staging them on the host */
 } da_append;
 
 /* Causal attention for n_q query tokens at absolute positions [q_pos, q_pos + n_q) of one
@@ -73,6 +75,8 @@ typedef struct da_attn {
   const void *q; /* [n_q][n_q_heads][head_dim], model dtype */
   void *o;       /* out: [n_q][n_q_heads][head_dim], model dtype */
   float *lse;    /* out, optional: [n_q][n_q_heads], natural log, or NULL */
+  int dev;       /* q, o and lse are device addresses (da_backend_map_*): read and written by
+                    kernels, never staged or unpacked on the host */
 } da_attn;
 
 /* How the splits of a row run. Both ways give the same bits; AUTO lets the backend pick
@@ -84,7 +88,8 @@ typedef enum da_split_mode {
 } da_split_mode;
 
 /* One batch. The backend performs, in this order: all copies, all appends, all attns.
- * Pointers are host memory and stay valid until run() returns. */
+ * Pointers are host memory (or device addresses where an item says dev) and stay valid
+ * until run() returns. */
 typedef struct da_batch {
   const da_page_copy *copies;
   int n_copies;
@@ -93,6 +98,8 @@ typedef struct da_batch {
   const da_attn *attns;
   int n_attns;
   da_split_mode split_mode;
+  void *const *signals; /* device backends: events (da_backend_event_open) recorded once the */
+  int n_signals;        /* batch's outputs are written */
 } da_batch;
 
 typedef struct da_batch_result {
@@ -136,6 +143,19 @@ typedef struct da_backend_ops {
    * run() would have (DETATTN_INTERNAL or DETATTN_UNAVAILABLE with res->err on a device
    * failure). DETATTN_FAILED_PRECONDITION when nothing is in flight. */
   int (*finish)(void *ctx, da_batch_result *res);
+  /* Optional (device backends): memory and events of other processes for the data planes,
+   * any thread. map_host pins n bytes of host memory at p (page-aligned) for the device and
+   * gives its device address; map_ipc opens a CUDA IPC memory handle of at least size
+   * bytes. event_open opens an IPC event handle; event_query: 1 when the event's work is
+   * done, 0 not yet, a negative status on error. Errors write err. */
+  int (*map_host)(void *ctx, void *p, size_t n, void **dev, char *err, size_t errlen);
+  void (*unmap_host)(void *ctx, void *p);
+  int (*map_ipc)(void *ctx, const void *handle, size_t handle_len, uint64_t size, void **dev, char *err,
+                 size_t errlen);
+  void (*unmap_ipc)(void *ctx, void *dev);
+  int (*event_open)(void *ctx, const void *handle, size_t handle_len, void **ev, char *err, size_t errlen);
+  void (*event_close)(void *ctx, void *ev);
+  int (*event_query)(void *ctx, void *ev);
 } da_backend_ops;
 
 /* Most batches submitted and not yet finished (staging buffer sets of a device backend). */
@@ -167,6 +187,16 @@ int da_backend_inflight(const da_backend *be);
  * backend has submit/finish); otherwise submitting ahead only queues it. */
 int da_backend_overlaps(const da_backend *be);
 const da_backend_info *da_backend_get_info(const da_backend *be);
+/* The optional ops above; DETATTN_UNIMPLEMENTED (err set) where the backend has none. */
+int da_backend_has_device_memory(const da_backend *be);
+int da_backend_map_host(da_backend *be, void *p, size_t n, void **dev, char *err, size_t errlen);
+void da_backend_unmap_host(da_backend *be, void *p);
+int da_backend_map_ipc(da_backend *be, const void *handle, size_t handle_len, uint64_t size, void **dev, char *err,
+                       size_t errlen);
+void da_backend_unmap_ipc(da_backend *be, void *dev);
+int da_backend_event_open(da_backend *be, const void *handle, size_t handle_len, void **ev, char *err, size_t errlen);
+void da_backend_event_close(da_backend *be, void *ev);
+int da_backend_event_query(da_backend *be, void *ev);
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be);
 
 #endif /* DA_BACKEND_H */

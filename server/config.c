@@ -90,7 +90,10 @@ static const setting table[] = {
     {"max-arena-bytes", T_I64, F(max_arena_bytes), 4096, 1LL << 40, NULL, "4294967296",
      "shared-memory plane: largest arena a client may register"},
     {"max-arenas", T_INT, F(max_arenas), 0, 1024, NULL, "16",
-     "shared-memory plane: arenas per connection; 0: no shared-memory plane"},
+     "shared-memory plane: arenas per connection (with the cuda plane: arenas, CUDA buffers and events); 0: "
+     "no shared-memory or cuda plane"},
+    {"cuda-event-timeout-ms", T_INT, F(cuda_event_timeout_ms), 1, 1 << 30, NULL, "10000",
+     "cuda plane: a Forward whose wait_event has not completed after this many ms is answered DEADLINE_EXCEEDED"},
     {"tls-cert", T_STR, F(tls_cert), 0, 0, NULL, "", "tls+tcp: the daemon's certificate (PEM, may hold the chain)"},
     {"tls-key", T_STR, F(tls_key), 0, 0, NULL, "", "tls+tcp: the daemon's private key (PEM)"},
     {"tls-ca", T_STR, F(tls_ca), 0, 0, NULL, "",

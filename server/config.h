@@ -49,6 +49,7 @@ typedef struct da_config {
   int64_t max_reply_bytes; /* replies queued on one connection */
   int64_t max_arena_bytes;
   int max_arenas;
+  int cuda_event_timeout_ms;
   char ipc_mode[16];       /* octal permissions of the ipc socket */
   char tls_cert[DA_CONFIG_STR_MAX], tls_key[DA_CONFIG_STR_MAX], tls_ca[DA_CONFIG_STR_MAX];
   int insecure_tcp;        /* tcp:// on a non-loopback address without TLS was asked for */

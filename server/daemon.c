@@ -121,6 +121,11 @@ static void tenant_put(da_daemon *d, tenant *t) {
 
 void da_daemon_client_maybe_free(da_daemon *d, client *c) {
   if (!c->dead || c->n_seqs > 0 || c->n_reqs > 0 || c->q.linked || c->q.head) return;
+  if (c->ev_waiting) {
+    client **pe = &d->ev_list;
+    while (*pe != c) pe = &(*pe)->ev_next;
+    *pe = c->ev_next;
+  }
   client **pp = &d->buckets[c->id % N_BUCKETS];
   while (*pp != c) pp = &(*pp)->hnext;
   *pp = c->hnext;
@@ -326,6 +331,55 @@ static void on_events(uv_async_t *h) {
     if (i == EVENTS_PER_TICK - 1) uv_async_send(&d->ev_async);
   }
   kick(d);
+}
+
+/* ---- CUDA events (cuda plane) ---- */
+
+#define EV_SPIN_NS 2000000ull /* poll at every loop turn for this long, then every ms */
+
+static void ev_poll(da_daemon *d);
+static void on_ev_timer(uv_timer_t *t) { ev_poll(t->data); }
+
+/* Runs the held requests of the clients whose first one waits for an event: each either
+ * goes on, or calls da_daemon_event_wait again. */
+static void ev_poll(da_daemon *d) {
+  int n = 0;
+  for (client *c = d->ev_list; c; c = c->ev_next) n++;
+  client **cs = malloc((size_t)(n > 0 ? n : 1) * sizeof(*cs));
+  if (cs == NULL) { /* out of memory: try again in a millisecond */
+    uv_idle_stop(&d->ev_idle);
+    uv_timer_start(&d->ev_timer, on_ev_timer, 1, 0);
+    return;
+  }
+  n = 0;
+  for (client *c = d->ev_list; c; c = c->ev_next) cs[n++] = c;
+  d->ev_list = NULL;
+  uv_idle_stop(&d->ev_idle);
+  uv_timer_stop(&d->ev_timer);
+  for (int i = 0; i < n; i++) cs[i]->ev_waiting = 0, cs[i]->n_reqs++; /* none is freed meanwhile */
+  for (int i = 0; i < n; i++)
+    if (!cs[i]->dead) da_ops_drain_held(d, cs[i]);
+  for (int i = 0; i < n; i++) {
+    cs[i]->n_reqs--;
+    da_daemon_client_maybe_free(d, cs[i]);
+  }
+  free(cs);
+  kick(d);
+}
+
+static void on_ev_idle(uv_idle_t *h) { ev_poll(h->data); }
+
+void da_daemon_event_wait(da_daemon *d, client *c, uint64_t since_ns) {
+  if (!c->ev_waiting) {
+    c->ev_waiting = 1;
+    c->ev_next = d->ev_list;
+    d->ev_list = c;
+  }
+  if (da_now_ns() - since_ns < EV_SPIN_NS) {
+    if (!uv_is_active((uv_handle_t *)&d->ev_idle)) uv_idle_start(&d->ev_idle, on_ev_idle);
+  } else if (!uv_is_active((uv_handle_t *)&d->ev_timer) && !uv_is_active((uv_handle_t *)&d->ev_idle)) {
+    uv_timer_start(&d->ev_timer, on_ev_timer, 1, 0);
+  }
 }
 
 /* ---- batches ---- */
@@ -575,7 +629,8 @@ static void close_handles(da_daemon *d) {
                        (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
                        (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
                        (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
-                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer};
+                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer,
+                       (uv_handle_t *)&d->ev_timer, (uv_handle_t *)&d->ev_idle};
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++)
     if (!uv_is_closing(hs[i])) uv_close(hs[i], on_close);
 }
@@ -799,7 +854,8 @@ static int start(da_daemon *d) {
                        (uv_handle_t *)&d->sigterm,    (uv_handle_t *)&d->sigint,
                        (uv_handle_t *)&d->wait_timer, (uv_handle_t *)&d->linger_timer,
                        (uv_handle_t *)&d->drain_timer, (uv_handle_t *)&d->idle_timer,
-                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer};
+                       (uv_handle_t *)&d->watchdog_timer, (uv_handle_t *)&d->listen_timer,
+                       (uv_handle_t *)&d->ev_timer, (uv_handle_t *)&d->ev_idle};
   uv_async_init(&d->loop, &d->ev_async, on_events);
   uv_async_init(&d->loop, &d->done_async, on_batch_done);
   uv_signal_init(&d->loop, &d->sigterm);
@@ -810,6 +866,8 @@ static int start(da_daemon *d) {
   uv_timer_init(&d->loop, &d->idle_timer);
   uv_timer_init(&d->loop, &d->watchdog_timer);
   uv_timer_init(&d->loop, &d->listen_timer);
+  uv_timer_init(&d->loop, &d->ev_timer);
+  uv_idle_init(&d->loop, &d->ev_idle);
   for (size_t i = 0; i < sizeof(hs) / sizeof(hs[0]); i++) hs[i]->data = d;
   d->n_handles = (int)(sizeof(hs) / sizeof(hs[0]));
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
@@ -848,7 +906,7 @@ static int start(da_daemon *d) {
     return rv;
   }
   da_planes_cfg pc = {.loop = &d->loop, .ipc_path = NULL, .ipc_mode = da_config_ipc_mode(c),
-                      .max_arena_bytes = (uint64_t)c->max_arena_bytes, .max_arenas = c->max_arenas};
+                      .max_arena_bytes = (uint64_t)c->max_arena_bytes, .max_arenas = c->max_arenas, .be = d->be};
   if (strncmp(c->listen, "ipc://", 6) == 0 && c->max_arenas > 0) pc.ipc_path = c->listen + 6;
   if ((rv = da_planes_open(&d->planes, &pc, err, sizeof(err))) != 0) {
     da_log_error("%s", err);

@@ -59,6 +59,8 @@ typedef struct client {
   da_sched_queue q;
   request *held_head, *held_tail; /* waiting for a sequence to go idle */
   int drain_marked;
+  int ev_waiting;            /* its first held request waits for a CUDA event: on ev_list */
+  struct client *ev_next;
   struct client *hnext;      /* hash chain */
   struct client *drain_next; /* clients whose held requests may now run */
 } client;
@@ -85,6 +87,8 @@ struct request {
   uint32_t *holds; /* arenas held for this request's tensors (plane.h), one entry a hold */
   int n_holds;
   void *out; /* o and lse buffers of all items */
+  void *wait_ev, *signal_ev; /* cuda plane events, held (plane.h) while set */
+  int wait_done;             /* wait_ev has completed */
   uint64_t batch_stamp;
   request *next; /* held queue */
 };
@@ -97,7 +101,9 @@ typedef struct da_daemon {
   uv_loop_t loop;
   uv_async_t ev_async, done_async;
   uv_signal_t sigterm, sigint;
-  uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer, listen_timer;
+  uv_timer_t wait_timer, linger_timer, drain_timer, idle_timer, watchdog_timer, listen_timer, ev_timer;
+  uv_idle_t ev_idle;  /* polls the CUDA events requests wait for (ev_list) */
+  client *ev_list;
   int form_failing; /* the last batch could not be formed (out of memory): retrying */
   int n_handles; /* open uv handles */
   da_backend *be;
@@ -152,6 +158,10 @@ int da_daemon_seq_new(da_daemon *d, client *c, uint32_t h, uint64_t *wire);
 void da_daemon_seq_release(da_daemon *d, seq_slot *s);
 /* Frees c once it is disconnected and nothing refers to it any more. */
 void da_daemon_client_maybe_free(da_daemon *d, client *c);
+/* c's first held request waits for a CUDA event (cuda plane): poll it, at once while the
+ * request is young (since_ns within 2 ms), else every millisecond, and run c's held requests
+ * again when it may have completed. */
+void da_daemon_event_wait(da_daemon *d, client *c, uint64_t since_ns);
 /* Count, mean, max, p50 and p99 of h, each multiplied by scale (1e-3: ns to us). */
 void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out);
 

@@ -22,6 +22,8 @@ void da_ops_request_free(da_daemon *d, request *r) {
   client *c = r->cl;
   if (c && r->quota_tokens) c->t->inflight_tokens -= r->quota_tokens;
   for (int i = 0; i < r->n_holds; i++) da_planes_release(d->planes, c ? c->id : 0, r->holds[i]);
+  if (r->wait_ev) da_planes_release(d->planes, c ? c->id : 0, r->w.wait_event);
+  if (r->signal_ev) da_planes_release(d->planes, c ? c->id : 0, r->w.signal_event);
   free(r->holds);
   da_wire_request_fini(&r->w);
   free(r->items);
@@ -272,7 +274,7 @@ static int op_seq_close(da_daemon *d, request *r) {
 
 /* Resolves one tensor through the planes; a reference is held until r is freed. */
 static int tensor(da_daemon *d, request *r, int i, const char *field, const da_wire_tensor *t, size_t align,
-                  void **out) {
+                  da_plane_ptr *out) {
   char msg[200], full[256];
   int rv = da_planes_tensor(d->planes, r->cl->id, t, align, out, msg, sizeof msg);
   if (rv != 0) {
@@ -285,19 +287,90 @@ static int tensor(da_daemon *d, request *r, int i, const char *field, const da_w
 }
 
 /* Tensor bytes of an admitted Forward, by the plane each tensor travels on (metrics). */
-static void count_plane_bytes(da_daemon *d, const da_wire_request *w, size_t qrow, size_t lrow) {
+static void count_plane_bytes(da_daemon *d, const request *r, size_t qrow, size_t lrow) {
+  const da_wire_request *w = &r->w;
+  const uint32_t c = r->cl->id;
   for (int i = 0; i < w->n_seqs; i++) {
     const da_wire_fwd_seq *fs = &w->seqs[i];
     const da_wire_tensor *in[3] = {&fs->q, &fs->k, &fs->v};
-    for (int j = 0; j < 3; j++) d->tensor_bytes[in[j]->arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][0] += in[j]->len;
-    d->tensor_bytes[fs->o.arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][1] += (size_t)fs->n_tokens * qrow;
-    if (w->want_lse)
-      d->tensor_bytes[fs->lse.arena ? DA_METRICS_PLANE_SHM : DA_METRICS_PLANE_COPY][1] += (size_t)fs->n_tokens * lrow;
+    for (int j = 0; j < 3; j++) d->tensor_bytes[da_planes_plane(d->planes, c, in[j]->arena)][0] += in[j]->len;
+    d->tensor_bytes[da_planes_plane(d->planes, c, fs->o.arena)][1] += (size_t)fs->n_tokens * qrow;
+    if (w->want_lse) d->tensor_bytes[da_planes_plane(d->planes, c, fs->lse.arena)][1] += (size_t)fs->n_tokens * lrow;
   }
+}
+
+/* A Forward with a wait_event runs once the event has completed: until then it is held (0),
+ * polled by the loop (da_daemon_event_wait), and answered DEADLINE_EXCEEDED after
+ * --cuda-event-timeout-ms. The daemon's stream never waits on a client's work. 1 when r was
+ * answered. */
+static int wait_event(da_daemon *d, request *r, int *ready) {
+  char msg[200], full[256];
+  *ready = 0;
+  if (r->wait_ev == NULL) {
+    int rv = da_planes_event(d->planes, r->cl->id, r->w.wait_event, &r->wait_ev, msg, sizeof msg);
+    if (rv != 0) {
+      snprintf(full, sizeof full, "forward.wait_event: %s", msg);
+      da_ops_reply_error(d, r, rv, full);
+      return 1;
+    }
+  }
+  int q = da_backend_event_query(d->be, r->wait_ev);
+  if (q < 0) {
+    da_ops_reply_error(d, r, DETATTN_INVALID_ARGUMENT, "forward.wait_event: querying the event failed");
+    return 1;
+  }
+  if (q == 0) {
+    if (da_now_ns() - r->recv_ns > (uint64_t)d->cfg->cuda_event_timeout_ms * 1000000u) {
+      snprintf(full, sizeof full, "forward.wait_event %u has not completed after %d ms (--cuda-event-timeout-ms)",
+               r->w.wait_event, d->cfg->cuda_event_timeout_ms);
+      da_ops_reply_error(d, r, DETATTN_DEADLINE_EXCEEDED, full);
+      return 1;
+    }
+    da_daemon_event_wait(d, r->cl, r->recv_ns);
+    return 0;
+  }
+  r->wait_done = 1;
+  *ready = 1;
+  return 0;
+}
+
+/* One group of tensors the backend reads or writes together (q, o, lse; or k, v) goes to it
+ * either as device addresses (every one pinned or on the device) or as host addresses.
+ * 1 when r was answered: a CUDA buffer mixed with tensors the device cannot reach. */
+static int pick_addresses(da_daemon *d, request *r, int i, da_plane_ptr *t[], int n, int *dev) {
+  int all_dev = 1, all_host = 1;
+  for (int j = 0; j < n; j++) {
+    if (t[j] == NULL) continue;
+    all_dev &= t[j]->dev != NULL;
+    all_host &= t[j]->host != NULL;
+  }
+  if (!all_dev && !all_host) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "forward.seqs[%d]: %s mix CUDA buffers with memory the daemon's device cannot reach "
+             "(give all of them as CUDA buffers)", i, n == 2 ? "k and v" : "q, o and lse");
+    da_ops_reply_error(d, r, DETATTN_INVALID_ARGUMENT, msg);
+    return 1;
+  }
+  *dev = all_dev && da_backend_has_device_memory(d->be);
+  return 0;
 }
 
 static int op_forward(da_daemon *d, request *r) {
   const da_wire_request *w = &r->w;
+  if (w->wait_event && !r->wait_done) {
+    int ready;
+    if (wait_event(d, r, &ready)) return 1;
+    if (!ready) return 0;
+  }
+  if (w->signal_event && r->signal_ev == NULL) {
+    char msg[200], full[256];
+    int rv = da_planes_event(d->planes, r->cl->id, w->signal_event, &r->signal_ev, msg, sizeof msg);
+    if (rv != 0) {
+      snprintf(full, sizeof full, "forward.signal_event: %s", msg);
+      da_ops_reply_error(d, r, rv, full);
+      return 1;
+    }
+  }
   const size_t qrow = (size_t)d->model.n_q_heads * (size_t)d->model.head_dim * da_dtype_size(d->model.dtype);
   const size_t lrow = (size_t)d->model.n_q_heads * sizeof(float);
   /* Outputs not written by reference go to one buffer returned in the reply. */
@@ -325,29 +398,33 @@ static int op_forward(da_daemon *d, request *r) {
       return not_found(d, r, fs->seq, field);
     }
     da_sched_item *it = &r->items[i];
-    void *q, *k, *v, *o, *lse = NULL;
+    da_plane_ptr q, k, v, o, lse = {0};
     if (tensor(d, r, i, "q", &fs->q, 2, &q) || tensor(d, r, i, "k", &fs->k, 2, &k) ||
         tensor(d, r, i, "v", &fs->v, 2, &v) || tensor(d, r, i, "o_ref", &fs->o, 2, &o) ||
         (w->want_lse && tensor(d, r, i, "lse_ref", &fs->lse, 4, &lse)))
       return 1;
-    if (o == NULL) {
-      o = next;
+    /* Outputs the reply carries go to r->out (host memory). */
+    if (fs->o.arena == 0) {
+      o.host = next;
       next += (size_t)fs->n_tokens * qrow;
     }
-    if (w->want_lse && lse == NULL) {
-      lse = next;
+    if (w->want_lse && fs->lse.arena == 0) {
+      lse.host = next;
       next += (size_t)fs->n_tokens * lrow;
     }
+    da_plane_ptr *qol[3] = {&q, &o, w->want_lse ? &lse : NULL}, *kv[2] = {&k, &v};
+    if (pick_addresses(d, r, i, qol, 3, &it->dev_q) || pick_addresses(d, r, i, kv, 2, &it->dev_kv)) return 1;
     it->kv_seq = (uint32_t)(slot - d->seqs);
     it->wire_seq = fs->seq;
     it->layer = w->layer;
     it->pos = fs->pos;
     it->n = fs->n_tokens;
-    it->q = q;
-    it->k = k;
-    it->v = v;
-    it->o = o;
-    it->lse = lse;
+    it->q = it->dev_q ? q.dev : q.host;
+    it->o = it->dev_q ? o.dev : o.host;
+    it->lse = w->want_lse ? (float *)(it->dev_q ? lse.dev : lse.host) : NULL;
+    it->k = it->dev_kv ? k.dev : k.host;
+    it->v = it->dev_kv ? v.dev : v.host;
+    it->signal = r->signal_ev;
     it->user = r;
   }
   if (over_forward_quota(d, r)) return 1;
@@ -361,7 +438,7 @@ static int op_forward(da_daemon *d, request *r) {
   r->cl->t->inflight_tokens += w->n_tokens;
   for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
   r->n_items = r->items_left = w->n_seqs;
-  count_plane_bytes(d, w, qrow, lrow);
+  count_plane_bytes(d, r, qrow, lrow);
   return 1;
 }
 
@@ -370,6 +447,19 @@ static int op_register_arena(da_daemon *d, request *r) {
   da_wire_response resp = {0};
   int rv = da_planes_register(d->planes, r->cl->id, &r->cl->peer, r->w.arena_size, &resp.arena, &resp.token, err,
                               sizeof err);
+  if (rv != 0) {
+    da_ops_reply_error(d, r, rv, err);
+    return 1;
+  }
+  reply_ok(d, r, &resp);
+  return 1;
+}
+
+static int op_register_cuda(da_daemon *d, request *r) {
+  char err[300];
+  da_wire_response resp = {0};
+  int rv = da_planes_register_cuda(d->planes, r->cl->id, &r->cl->peer, r->w.cuda_event, r->w.cuda_handle,
+                                   r->w.cuda_handle_len, r->w.arena_size, &resp.arena, err, sizeof err);
   if (rv != 0) {
     da_ops_reply_error(d, r, rv, err);
     return 1;
@@ -401,6 +491,7 @@ static const op_entry ops[DA_OP_COUNT] = {
     [DA_OP_SEQ_TRUNCATE] = {op_seq_truncate, 1}, [DA_OP_SEQ_CLOSE] = {op_seq_close, 1},
     [DA_OP_FORWARD] = {op_forward, 1},
     [DA_OP_REGISTER_ARENA] = {op_register_arena, 0}, [DA_OP_UNREGISTER_ARENA] = {op_unregister_arena, 1},
+    [DA_OP_REGISTER_CUDA] = {op_register_cuda, 0},
 };
 
 static void hold(da_daemon *d, client *c, request *r) {

@@ -21,16 +21,20 @@
 #define SIDE_MAGIC 0x52414144u            /* "DAAR" little-endian */
 
 enum { PENDING, READY, CLOSING };
+enum { HOST_ARENA, CUDA_BUFFER, CUDA_EVENT }; /* kinds of region */
 
+/* A region of a connection: a host arena, a CUDA buffer or a CUDA event. */
 typedef struct arena {
   uint32_t client, id;
+  int kind;
   int state;
   int holds; /* requests in flight that reference it */
   uint64_t size, token, created_ns;
   int32_t pid;
   uint32_t uid;
-  void *base;
-  int pinned;
+  void *base; /* host arena: its mapping here */
+  void *dev;  /* host arena mapped for the device, or a CUDA buffer: its device address */
+  void *ev;   /* CUDA event */
   struct arena *next;
 } arena;
 
@@ -47,7 +51,7 @@ typedef struct side {
 
 struct da_planes {
   da_planes_cfg cfg;
-  const char *names[3];
+  const char *names[4];
   char path[640];
   int listen_fd;
   uv_poll_t listen_poll;
@@ -71,11 +75,17 @@ static arena **slot(da_planes *p, uint32_t client, uint32_t id) {
 static void arena_free(da_planes *p, arena **pp) {
   arena *a = *pp;
   *pp = a->next;
-  if (a->base) {
-    if (a->pinned && p->cfg.unpin) p->cfg.unpin(p->cfg.arg, a->base);
+  if (a->kind == HOST_ARENA && a->base) {
+    if (a->dev) da_backend_unmap_host(p->cfg.be, a->base);
     munmap(a->base, a->size);
     p->n_mapped--;
     p->mapped_bytes -= a->size;
+  } else if (a->kind == CUDA_BUFFER) {
+    da_backend_unmap_ipc(p->cfg.be, a->dev);
+    p->n_mapped--;
+    p->mapped_bytes -= a->size;
+  } else if (a->kind == CUDA_EVENT) {
+    da_backend_event_close(p->cfg.be, a->ev);
   }
   free(a);
 }
@@ -135,7 +145,7 @@ static void side_deliver(side *s, uint32_t id, uint64_t token, int fd) {
   arena *a = NULL;
   for (int b = 0; b < ARENA_BUCKETS && a == NULL; b++)
     for (arena *x = p->buckets[b]; x; x = x->next)
-      if (x->id == id && x->state == PENDING && x->token == token) {
+      if (x->id == id && x->kind == HOST_ARENA && x->state == PENDING && x->token == token) {
         a = x;
         break;
       }
@@ -171,9 +181,17 @@ static void side_deliver(side *s, uint32_t id, uint64_t token, int fd) {
   a->state = READY;
   p->n_mapped++;
   p->mapped_bytes += a->size;
-  if (p->cfg.pin && p->cfg.pin(p->cfg.arg, base, a->size) == 0) a->pinned = 1;
+  /* With a device backend, kernels read and write the arena directly (no staging copy).
+   * Where pinning fails the arena still works, through the host. */
+  char why[200];
+  if (p->cfg.be && da_backend_has_device_memory(p->cfg.be) &&
+      da_backend_map_host(p->cfg.be, base, a->size, &a->dev, why, sizeof why) != 0) {
+    da_log_warn("arena %u of client %u is not pinned for the device (%s): tensors go through the host", a->id,
+                a->client, why);
+    a->dev = NULL;
+  }
   da_log_debug("arena %u of client %u: %llu bytes mapped%s", a->id, a->client, (unsigned long long)a->size,
-               a->pinned ? ", pinned" : "");
+               a->dev ? ", pinned for the device" : "");
   side_answer(s, 0, NULL);
 }
 
@@ -296,6 +314,7 @@ static int open_side(da_planes *p, char *err, size_t errlen) {
   uv_unref((uv_handle_t *)&p->sweep);
   p->handles += 2;
   p->names[1] = "shm";
+  if (p->cfg.be && da_backend_has_device_memory(p->cfg.be)) p->names[2] = "cuda";
   return 0;
 }
 
@@ -342,6 +361,34 @@ void da_planes_close(da_planes *p) {
 const char *const *da_planes_names(const da_planes *p) { return p->names; }
 const char *da_planes_arena_path(const da_planes *p) { return p->listen_fd >= 0 ? p->path : ""; }
 
+/* A new PENDING region of client (kind and size for the caller to set), within the limit. */
+static int region_new(da_planes *p, uint32_t client, const da_peer *peer, arena **out, char *err, size_t errlen) {
+  int mine = 0;
+  for (int b = 0; b < ARENA_BUCKETS; b++)
+    for (arena *x = p->buckets[b]; x; x = x->next) mine += x->client == client;
+  if (mine >= p->cfg.max_arenas) {
+    snprintf(err, errlen, "this connection has %d arenas, CUDA buffers and events (at most %d: --max-arenas)", mine,
+             p->cfg.max_arenas);
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  arena *a = calloc(1, sizeof(*a));
+  if (a == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  a->client = client;
+  a->id = p->next_id++;
+  if (p->next_id == 0) p->next_id = 1;
+  a->created_ns = da_now_ns();
+  a->pid = peer->pid;
+  a->uid = peer->uid;
+  arena **pp = slot(p, client, a->id);
+  a->next = *pp;
+  *pp = a;
+  *out = a;
+  return 0;
+}
+
 int da_planes_register(da_planes *p, uint32_t client, const da_peer *peer, uint64_t size, uint32_t *id,
                        uint64_t *token, char *err, size_t errlen) {
   if (p->listen_fd < 0) {
@@ -357,31 +404,50 @@ int da_planes_register(da_planes *p, uint32_t client, const da_peer *peer, uint6
              (unsigned long long)size, (unsigned long long)p->cfg.max_arena_bytes);
     return DETATTN_INVALID_ARGUMENT;
   }
-  int mine = 0;
-  for (int b = 0; b < ARENA_BUCKETS; b++)
-    for (arena *x = p->buckets[b]; x; x = x->next) mine += x->client == client;
-  if (mine >= p->cfg.max_arenas) {
-    snprintf(err, errlen, "this connection has %d arenas (at most %d)", mine, p->cfg.max_arenas);
-    return DETATTN_RESOURCE_EXHAUSTED;
-  }
-  arena *a = calloc(1, sizeof(*a));
-  if (a == NULL) {
-    snprintf(err, errlen, "out of memory");
-    return DETATTN_RESOURCE_EXHAUSTED;
-  }
-  a->client = client;
-  a->id = p->next_id++;
-  if (p->next_id == 0) p->next_id = 1;
+  arena *a;
+  int rv = region_new(p, client, peer, &a, err, errlen);
+  if (rv != 0) return rv;
+  a->kind = HOST_ARENA;
   a->size = size;
   a->token = random_u64();
-  a->created_ns = da_now_ns();
-  a->pid = peer->pid;
-  a->uid = peer->uid;
-  arena **pp = slot(p, client, a->id);
-  a->next = *pp;
-  *pp = a;
   *id = a->id;
   *token = a->token;
+  return 0;
+}
+
+int da_planes_register_cuda(da_planes *p, uint32_t client, const da_peer *peer, int event, const void *handle,
+                            size_t handle_len, uint64_t size, uint32_t *id, char *err, size_t errlen) {
+  if (p->names[2] == NULL) {
+    snprintf(err, errlen, "this daemon has no cuda plane (it needs --backend cuda and an ipc:// listener)");
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  if (!peer->has_creds) {
+    snprintf(err, errlen, "CUDA buffers and events need an ipc connection (peer credentials)");
+    return DETATTN_PERMISSION_DENIED;
+  }
+  if (!event && (size == 0 || size > p->cfg.max_arena_bytes)) {
+    snprintf(err, errlen, "register_cuda.size %llu is not in [1, %llu] (--max-arena-bytes)", (unsigned long long)size,
+             (unsigned long long)p->cfg.max_arena_bytes);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  arena *a;
+  int rv = region_new(p, client, peer, &a, err, errlen);
+  if (rv != 0) return rv;
+  a->kind = event ? CUDA_EVENT : CUDA_BUFFER;
+  a->size = event ? 0 : size;
+  rv = event ? da_backend_event_open(p->cfg.be, handle, handle_len, &a->ev, err, errlen)
+             : da_backend_map_ipc(p->cfg.be, handle, handle_len, size, &a->dev, err, errlen);
+  if (rv != 0) {
+    a->kind = -1; /* nothing to release */
+    arena_free(p, slot(p, client, a->id));
+    return rv;
+  }
+  a->state = READY;
+  if (!event) {
+    p->n_mapped++;
+    p->mapped_bytes += a->size;
+  }
+  *id = a->id;
   return 0;
 }
 
@@ -396,15 +462,17 @@ int da_planes_unregister(da_planes *p, uint32_t client, uint32_t id, char *err, 
   return 0;
 }
 
-int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, size_t align, void **out, char *err,
-                     size_t errlen) {
+int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, size_t align, da_plane_ptr *out,
+                     char *err, size_t errlen) {
+  out->host = out->dev = NULL;
   if (t->arena == 0) {
-    *out = (void *)t->data;
+    out->host = (void *)t->data;
     return 0;
   }
   arena *a = *slot(p, client, t->arena);
-  if (a == NULL) {
-    snprintf(err, errlen, "arena %u is not registered on this connection", t->arena);
+  if (a == NULL || a->kind == CUDA_EVENT) {
+    snprintf(err, errlen, "arena %u is not registered on this connection%s", t->arena,
+             a ? " (it is an event)" : "");
     return DETATTN_NOT_FOUND;
   }
   if (a->state != READY) {
@@ -422,7 +490,25 @@ int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, siz
     return DETATTN_INVALID_ARGUMENT;
   }
   a->holds++;
-  *out = (char *)a->base + t->offset;
+  if (a->base) out->host = (char *)a->base + t->offset;
+  if (a->dev) out->dev = (char *)a->dev + t->offset;
+  return 0;
+}
+
+int da_planes_plane(const da_planes *p, uint32_t client, uint32_t id) {
+  if (id == 0) return 0;
+  const arena *a = *slot((da_planes *)p, client, id);
+  return a == NULL ? 0 : a->kind == HOST_ARENA ? 1 : a->kind == CUDA_BUFFER ? 2 : 0;
+}
+
+int da_planes_event(da_planes *p, uint32_t client, uint32_t id, void **ev, char *err, size_t errlen) {
+  arena *a = *slot(p, client, id);
+  if (a == NULL || a->kind != CUDA_EVENT || a->state != READY) {
+    snprintf(err, errlen, "event %u is not registered on this connection", id);
+    return DETATTN_NOT_FOUND;
+  }
+  a->holds++;
+  *ev = a->ev;
   return 0;
 }
 
@@ -456,7 +542,7 @@ void da_planes_usage(const da_planes *p, uint32_t client, int *arenas, uint64_t 
   }
   for (int b = 0; b < ARENA_BUCKETS; b++)
     for (const arena *a = p->buckets[b]; a; a = a->next)
-      if (a->client == client && a->base) {
+      if (a->client == client && (a->base || a->kind == CUDA_BUFFER)) {
         (*arenas)++;
         *bytes += a->size;
       }

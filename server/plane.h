@@ -4,11 +4,16 @@
  *  copy  tensors are bytes in the request and the reply (every transport; the reference);
  *  shm   tensors are references into arenas: shared memory the client created (a sealed
  *        memfd) and handed over on the ipc side socket <ipc path>.arena; the backend reads
- *        q/k/v and writes o/lse in place.
+ *        q/k/v and writes o/lse in place. With a device backend the arena is pinned
+ *        (cudaHostRegister) and kernels read and write it over PCIe: no host copy at all.
+ *  cuda  tensors are references into device buffers of the client (CUDA IPC memory
+ *        handles, opened once per registration); events the client shares (IPC event
+ *        handles) say when inputs are ready and are recorded when outputs are written.
  *
- * da_planes_tensor resolves a da_wire_tensor (wire.h) of either kind to a host pointer and
- * holds what it names until da_planes_release, so op handlers never know which plane
- * carried a tensor. A new plane is one file behind these calls.
+ * Arenas, CUDA buffers and events share one id space per connection ("regions").
+ * da_planes_tensor resolves a da_wire_tensor (wire.h) of any kind to a host and/or device
+ * address and holds what it names until da_planes_release, so op handlers never know which
+ * plane carried a tensor. A new plane is one file behind these calls.
  *
  * Arenas. RegisterArena (on ipc, from a peer with credentials) creates a pending arena with
  * a random token; the same process then connects to the side socket and sends
@@ -28,6 +33,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "backend.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -39,10 +45,9 @@ typedef struct da_planes_cfg {
   int ipc_mode;             /* permissions of the side socket (as the ipc socket's) */
   uint64_t max_arena_bytes; /* largest arena */
   int max_arenas;           /* per connection */
-  /* Optional: pin an arena for the backend's DMA (cudaHostRegister) and unpin it. */
-  int (*pin)(void *arg, void *p, size_t n);
-  void (*unpin)(void *arg, void *p);
-  void *arg;
+  /* Optional: a device backend; arenas are then mapped for its kernels, and with an ipc
+   * path the cuda plane is offered. */
+  da_backend *be;
 } da_planes_cfg;
 
 /* Opens the planes: the side socket when ipc_path is set. On failure writes err. */
@@ -50,7 +55,8 @@ int da_planes_open(da_planes **out, const da_planes_cfg *cfg, char *err, size_t 
 /* Unmaps every arena and closes the side socket (its uv handles close on the loop). NULL is a
  * no-op. */
 void da_planes_close(da_planes *p);
-/* The planes offered, NULL-terminated ("copy", and "shm" with a side socket). */
+/* The planes offered, NULL-terminated ("copy"; "shm" with a side socket; "cuda" with a
+ * device backend too). */
 const char *const *da_planes_names(const da_planes *p);
 /* The side socket's path, or "". */
 const char *da_planes_arena_path(const da_planes *p);
@@ -63,14 +69,33 @@ int da_planes_register(da_planes *p, uint32_t client, const da_peer *peer, uint6
                        uint64_t *token, char *err, size_t errlen);
 /* Releases arena (now, or once no request holds it). NOT_FOUND if client has no such arena. */
 int da_planes_unregister(da_planes *p, uint32_t client, uint32_t arena, char *err, size_t errlen);
-/* Resolves t for connection client to a pointer to t->len bytes: its data (copy; NULL for an
- * output returned in the reply), or the arena's memory at t->offset, which must be inside the
- * arena and aligned to align. A reference holds its arena: call da_planes_release(client,
- * t->arena) once for each success with t->arena != 0. Errors: NOT_FOUND (no such arena on
- * this connection), FAILED_PRECONDITION (not handed over yet, or being released),
- * INVALID_ARGUMENT (out of bounds, misaligned). */
-int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, size_t align, void **out, char *err,
-                     size_t errlen);
+/* CUDA plane: registers a device buffer (a cudaIpcMemHandle_t of an allocation holding at
+ * least size bytes; event 0) or an event (a cudaIpcEventHandle_t; event 1) of connection
+ * client's process, opened at once. FAILED_PRECONDITION without a cuda plane,
+ * PERMISSION_DENIED without peer credentials, INVALID_ARGUMENT for a handle the driver
+ * refuses, RESOURCE_EXHAUSTED past max_arenas regions. */
+int da_planes_register_cuda(da_planes *p, uint32_t client, const da_peer *peer, int event, const void *handle,
+                            size_t handle_len, uint64_t size, uint32_t *id, char *err, size_t errlen);
+
+/* A resolved tensor: host is its host address (NULL for device-only memory, or for a copy
+ * output returned in the reply), dev its device address (NULL unless a device backend can
+ * reach it from a kernel). */
+typedef struct da_plane_ptr {
+  void *host, *dev;
+} da_plane_ptr;
+/* Resolves t for connection client to t->len bytes: its data (copy), or the region's memory
+ * at t->offset, which must be inside it and aligned to align. A reference holds its region:
+ * call da_planes_release(client, t->arena) once for each success with t->arena != 0.
+ * Errors: NOT_FOUND (no such region on this connection, or an event), FAILED_PRECONDITION
+ * (not handed over yet, or being released), INVALID_ARGUMENT (out of bounds, misaligned). */
+int da_planes_tensor(da_planes *p, uint32_t client, const da_wire_tensor *t, size_t align, da_plane_ptr *out,
+                     char *err, size_t errlen);
+/* Which plane region id of client is on, as DA_METRICS_PLANE_*: 0 copy (id 0, or no such
+ * region), 1 shm (an arena), 2 cuda (a CUDA buffer). */
+int da_planes_plane(const da_planes *p, uint32_t client, uint32_t id);
+/* Resolves event id of client to the backend's event and holds it (release as above).
+ * NOT_FOUND when client has no such event. */
+int da_planes_event(da_planes *p, uint32_t client, uint32_t id, void **ev, char *err, size_t errlen);
 void da_planes_release(da_planes *p, uint32_t client, uint32_t arena);
 /* The connection closed: its arenas go (each once no request holds it). */
 void da_planes_client_gone(da_planes *p, uint32_t client);

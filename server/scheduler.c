@@ -268,6 +268,7 @@ void da_sched_batch_fini(da_sched_batch *b) {
   free(b->copies);
   free(b->appends);
   free(b->attns);
+  free(b->signals);
   free(b->pages);
   memset(b, 0, sizeof(*b));
 }
@@ -356,7 +357,9 @@ static int ensure_storage(da_sched *s, da_sched_batch *b) {
   if (a) b->appends = a;
   da_attn *t = realloc(b->attns, (size_t)cap * sizeof(*t));
   if (t) b->attns = t;
-  if (!e || !a || !t) return DETATTN_RESOURCE_EXHAUSTED;
+  void **g = realloc(b->signals, (size_t)cap * sizeof(*g));
+  if (g) b->signals = g;
+  if (!e || !a || !t || !g) return DETATTN_RESOURCE_EXHAUSTED;
   b->cap_entries = cap;
   return 0;
 }
@@ -458,7 +461,7 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
     }
   }
 
-  int n_appends = 0;
+  int n_appends = 0, n_signals = 0;
   for (int i = 0; i < b->n_entries; i++) {
     da_sched_entry *e = &b->entries[i];
     da_sched_item *it = e->item;
@@ -468,10 +471,17 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
                   da_dtype_size(s->cfg.model.dtype);
     *a = (da_attn){.layer = it->layer, .q_pos = it->pos + e->q0, .n_q = e->nq, .pages = pages,
                    .n_pages = a->n_pages, .q = (const char *)it->q + qoff, .o = (char *)it->o + qoff,
-                   .lse = it->lse ? it->lse + (size_t)e->q0 * (size_t)s->cfg.model.n_q_heads : NULL};
+                   .lse = it->lse ? it->lse + (size_t)e->q0 * (size_t)s->cfg.model.n_q_heads : NULL,
+                   .dev = it->dev_q};
     if (e->appends)
       b->appends[n_appends++] = (da_append){.layer = it->layer, .pos = it->pos, .n_tokens = it->n,
-                                            .pages = pages, .n_pages = a->n_pages, .k = it->k, .v = it->v};
+                                            .pages = pages, .n_pages = a->n_pages, .k = it->k, .v = it->v,
+                                            .dev = it->dev_kv};
+    if (it->signal) {
+      int seen = 0;
+      for (int k = n_signals - 1; k >= 0 && !seen; k--) seen = b->signals[k] == it->signal;
+      if (!seen) b->signals[n_signals++] = it->signal;
+    }
     it->in_batch = -1;
     b->rows += (int64_t)e->nq * s->cfg.model.n_q_heads;
   }
@@ -482,6 +492,8 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
   b->b.attns = b->attns;
   b->b.n_attns = b->n_entries;
   b->b.split_mode = choose_mode(s, b);
+  b->b.signals = b->signals;
+  b->b.n_signals = n_signals;
   /* Work waits but nothing could be taken: the caller retries (an empty batch would not). */
   if (s->oom && b->n_entries == 0 && n_copies == 0) return DETATTN_RESOURCE_EXHAUSTED;
   return 0;

@@ -73,6 +73,8 @@ struct da_sched_item {
   const void *q, *k, *v; /* q: [n][n_q_heads][head_dim]; k, v: [n][n_kv_heads][head_dim] */
   void *o;               /* out: [n][n_q_heads][head_dim] */
   float *lse;            /* out, optional: [n][n_q_heads] */
+  int dev_q, dev_kv;     /* q/o/lse, k/v are device addresses (da_attn.dev, da_append.dev) */
+  void *signal;          /* a backend event to record once a batch with this item ran, or NULL */
   void *user;            /* the caller's request */
   uint64_t admitted_ns;  /* set by da_sched_admit */
   /* Scheduler state. */
@@ -115,6 +117,7 @@ typedef struct da_sched_batch {
   int cap_copies;
   da_append *appends;
   da_attn *attns;
+  void **signals;
   int cap_entries;
   int32_t *pages;
   size_t n_pages, cap_pages;

@@ -19,6 +19,7 @@ static const char *const op_names[DA_OP_COUNT] = {
     [DA_OP_SEQ_FORK] = "seq_fork", [DA_OP_SEQ_TRUNCATE] = "seq_truncate",
     [DA_OP_SEQ_CLOSE] = "seq_close", [DA_OP_FORWARD] = "forward", [DA_OP_STATS] = "stats",
     [DA_OP_REGISTER_ARENA] = "register_arena", [DA_OP_UNREGISTER_ARENA] = "unregister_arena",
+    [DA_OP_REGISTER_CUDA] = "register_cuda",
 };
 
 const char *da_op_name(da_op op) { return (unsigned)op < DA_OP_COUNT ? op_names[op] : "invalid"; }
@@ -102,6 +103,8 @@ static int decode_forward(const da_wire_limits *lim, const Detattn__V1__Forward 
   const da_model *m = &lim->model;
   r->layer = (int)(f->layer > INT_MAX ? INT_MAX : f->layer);
   r->want_lse = f->want_lse != 0;
+  r->wait_event = f->wait_event;
+  r->signal_event = f->signal_event;
   if (f->layer >= (uint32_t)m->n_layers)
     return fail(r, DETATTN_INVALID_ARGUMENT, "forward.layer %u out of range [0, %d)", f->layer,
                 m->n_layers);
@@ -226,6 +229,14 @@ int da_wire_decode(const da_wire_limits *lim, const void *buf, size_t len, da_wi
     r->op = DA_OP_UNREGISTER_ARENA;
     r->arena = m->unregister_arena->arena;
     return 0;
+  case DETATTN__V1__REQUEST__OP_REGISTER_CUDA:
+    r->op = DA_OP_REGISTER_CUDA;
+    r->cuda_handle = m->register_cuda->handle.data;
+    r->cuda_handle_len = m->register_cuda->handle.len;
+    r->arena_size = m->register_cuda->size;
+    r->cuda_event = m->register_cuda->event != 0;
+    if (r->cuda_handle_len == 0) return fail(r, DETATTN_INVALID_ARGUMENT, "register_cuda.handle is empty");
+    return 0;
   default:
     return fail(r, DETATTN_INVALID_ARGUMENT, "request has no op set (or an op this server does not know)");
   }
@@ -265,6 +276,7 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
   Detattn__V1__StatsReply sr = DETATTN__V1__STATS_REPLY__INIT;
   Detattn__V1__RegisterArenaReply ra = DETATTN__V1__REGISTER_ARENA_REPLY__INIT;
   Detattn__V1__UnregisterArenaReply ua = DETATTN__V1__UNREGISTER_ARENA_REPLY__INIT;
+  Detattn__V1__RegisterCudaReply rc = DETATTN__V1__REGISTER_CUDA_REPLY__INIT;
   Detattn__V1__Summary sum[3] = {DETATTN__V1__SUMMARY__INIT, DETATTN__V1__SUMMARY__INIT,
                                  DETATTN__V1__SUMMARY__INIT};
   Detattn__V1__OpCount opc[DA_OP_COUNT];
@@ -410,6 +422,11 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
     case DA_OP_UNREGISTER_ARENA:
       resp.result_case = DETATTN__V1__RESPONSE__RESULT_UNREGISTER_ARENA;
       resp.unregister_arena = &ua;
+      break;
+    case DA_OP_REGISTER_CUDA:
+      rc.id = r->arena;
+      resp.result_case = DETATTN__V1__RESPONSE__RESULT_REGISTER_CUDA;
+      resp.register_cuda = &rc;
       break;
     default:
       break;

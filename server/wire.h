@@ -26,6 +26,7 @@ typedef enum da_op {
   DA_OP_STATS,
   DA_OP_REGISTER_ARENA,
   DA_OP_UNREGISTER_ARENA,
+  DA_OP_REGISTER_CUDA,
   DA_OP_COUNT
 } da_op;
 
@@ -76,9 +77,14 @@ typedef struct da_wire_request {
   /* register_arena (size), unregister_arena (arena) */
   uint64_t arena_size;
   uint32_t arena;
+  /* register_cuda: the handle (in the decoded message), buffer size (arena_size), event */
+  const void *cuda_handle;
+  size_t cuda_handle_len;
+  int cuda_event;
   /* forward */
   int layer;
   int want_lse;
+  uint32_t wait_event, signal_event; /* cuda plane events, 0: none */
   int n_seqs;
   int n_tokens; /* over all seqs */
   da_wire_fwd_seq *seqs;
@@ -153,7 +159,7 @@ typedef struct da_wire_response {
   const da_wire_hello_reply *hello;
   const da_wire_stats_reply *stats;
   uint64_t seq; /* seq_open, seq_fork */
-  uint32_t arena; /* register_arena */
+  uint32_t arena; /* register_arena, register_cuda */
   uint64_t token; /* register_arena */
   int n_outs;   /* forward */
   const da_wire_fwd_out *outs;

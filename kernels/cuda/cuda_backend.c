@@ -369,8 +369,11 @@ typedef struct plan {
   int max_append_tokens;
   int per; /* splits per partial item */
   int64_t inrow_rows, partial_rows;
+  int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
+  int64_t gseg_max, sseg_max; /* their largest segment, bytes */
+  int host_out;             /* some outputs go to host memory (a D2H of the output buffer) */
   unsigned char *partial; /* per attn: 1 when run as partials */
-  size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_q, off_kvin, in_bytes;
+  size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_gseg, off_sseg, off_q, off_kvin, in_bytes;
   size_t off_o, off_lse, out_bytes;
 } plan;
 
@@ -434,6 +437,14 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     pl->n_q_el += rows * m->head_dim;
     pl->n_o_el += rows * m->head_dim;
     if (a->lse != NULL) pl->n_lse += rows;
+    if (a->dev && rows > 0) {
+      const int64_t qb = rows * m->head_dim * 2;
+      pl->n_gseg += 1, pl->n_sseg += 1 + (a->lse != NULL);
+      if (qb > pl->gseg_max) pl->gseg_max = qb;
+      if (qb > pl->sseg_max) pl->sseg_max = qb;
+    } else if (rows > 0) {
+      pl->host_out = 1;
+    }
   }
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
    * on its own (the bits do not depend on per): as few CTA start-ups as fill whole waves
@@ -459,6 +470,11 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
     pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
     if (a->n_tokens > pl->max_append_tokens) pl->max_append_tokens = a->n_tokens;
+    if (a->dev && a->n_tokens > 0) {
+      pl->n_gseg += 2;
+      if (a->n_tokens * (int64_t)m->n_kv_heads * m->head_dim * 2 > pl->gseg_max)
+        pl->gseg_max = a->n_tokens * (int64_t)m->n_kv_heads * m->head_dim * 2;
+    }
   }
   size_t o = 0;
   pl->off_attn = o, o = up(o + (size_t)b->n_attns * sizeof(da_cu_attn));
@@ -467,6 +483,8 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   pl->off_app = o, o = up(o + (size_t)b->n_appends * sizeof(da_cu_append));
   pl->off_copy = o, o = up(o + (size_t)b->n_copies * 2 * sizeof(int32_t));
   pl->off_pt = o, o = up(o + (size_t)pl->n_pt * sizeof(int32_t));
+  pl->off_gseg = o, o = up(o + (size_t)pl->n_gseg * sizeof(da_cu_seg));
+  pl->off_sseg = o, o = up(o + (size_t)pl->n_sseg * sizeof(da_cu_seg));
   pl->off_q = o, o = up(o + (size_t)pl->n_q_el * 2);
   pl->off_kvin = o, o = up(o + (size_t)pl->n_kv_el * 2);
   pl->in_bytes = o;
@@ -490,7 +508,8 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   int32_t *pts = (int32_t *)(h + pl->off_pt);
   uint16_t *qs = (uint16_t *)(h + pl->off_q);
   uint16_t *kvs = (uint16_t *)(h + pl->off_kvin);
-  int64_t pt = 0, q = 0, o = 0, lse = 0, slot = 0, kvo = 0, n_it = 0, n_ci = 0;
+  da_cu_seg *gs = (da_cu_seg *)(h + pl->off_gseg), *ss = (da_cu_seg *)(h + pl->off_sseg);
+  int64_t pt = 0, q = 0, o = 0, lse = 0, slot = 0, kvo = 0, n_it = 0, n_ci = 0, n_gs = 0, n_ss = 0;
 
   /* Items with blocks of more than 16 rows first (one launch), then those of at most 16
    * rows (decode; the second launch); in each, in-row items first: they are the long
@@ -536,7 +555,15 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       pt += np;
     }
     at->q_off = q;
-    if (a->q != NULL) memcpy(qs + q, a->q, (size_t)rows * m->head_dim * 2);
+    const int64_t qb = rows * m->head_dim * 2;
+    if (a->dev && rows > 0) {
+      /* Device addresses: a kernel gathers q and scatters o and lse (segcopy.cu). */
+      gs[n_gs++] = (da_cu_seg){a->q, d + pl->off_q + (size_t)q * 2, qb};
+      ss[n_ss++] = (da_cu_seg){dout + pl->off_o + (size_t)o * 2, a->o, qb};
+      if (a->lse != NULL) ss[n_ss++] = (da_cu_seg){dout + pl->off_lse + (size_t)lse * 4, a->lse, rows * 4};
+    } else if (a->q != NULL) {
+      memcpy(qs + q, a->q, (size_t)qb);
+    }
     q += rows * m->head_dim;
     at->o_off = o;
     o += rows * m->head_dim;
@@ -559,8 +586,13 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       const int64_t np = ceil_div((int64_t)a->pos + a->n_tokens, P);
       for (int64_t k = 0; k < np; k++) pts[pt + k] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
       pt += np;
-      memcpy(kvs + kvo, a->k, (size_t)el * 2);
-      memcpy(kvs + kvo + el, a->v, (size_t)el * 2);
+      if (a->dev) {
+        gs[n_gs++] = (da_cu_seg){a->k, d + pl->off_kvin + (size_t)kvo * 2, el * 2};
+        gs[n_gs++] = (da_cu_seg){a->v, d + pl->off_kvin + (size_t)(kvo + el) * 2, el * 2};
+      } else {
+        memcpy(kvs + kvo, a->k, (size_t)el * 2);
+        memcpy(kvs + kvo + el, a->v, (size_t)el * 2);
+      }
     }
     ap->k_off = kvo, ap->v_off = kvo + el;
     kvo += 2 * el;
@@ -643,6 +675,9 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
   CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);
   if (bench && pl->n_q_el > 0)
     CUDA_GOTO(c, da_cuda_fill(d + pl->off_q, (size_t)pl->n_q_el, 1, c->args.bf16, q_seed, c->stream), fail);
+  if (pl->n_gseg > 0)
+    CUDA_GOTO(c, da_cuda_segcopy((const da_cu_seg *)(d + pl->off_gseg), (int)pl->n_gseg, pl->gseg_max, c->stream),
+              fail);
   rv = run_copies(c, b, (const int32_t *)(d + pl->off_copy), err, errlen);
   if (rv != 0) goto fail;
   CUDA_GOTO(c, da_cuda_append(&c->args, c->stream), fail);
@@ -716,9 +751,14 @@ static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *
   if (rv != 0) return rv;
   CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
   CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
-  if (f->pl.out_bytes > 0)
+  if (f->pl.n_sseg > 0)
+    CUDA_GOTO(c, da_cuda_segcopy((const da_cu_seg *)(c->d_in[c->cur] + f->pl.off_sseg), (int)f->pl.n_sseg,
+                                 f->pl.sseg_max, c->stream), fail);
+  if (f->pl.out_bytes > 0 && f->pl.host_out)
     CUDA_GOTO(c, cudaMemcpyAsync(c->h_out[c->cur], c->d_out[c->cur], f->pl.out_bytes,
                                  cudaMemcpyDeviceToHost, c->stream), fail);
+  for (int i = 0; i < b->n_signals; i++)
+    CUDA_GOTO(c, cudaEventRecord((cudaEvent_t)b->signals[i], c->stream), fail);
   f->b = b;
   f->set = c->cur;
   f->ready = ready;
@@ -758,10 +798,10 @@ static int finish(void *ctx, da_batch_result *res) {
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
-    memcpy(a->o, hout + f->pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
+    if (!a->dev) memcpy(a->o, hout + f->pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
     o += rows * m->head_dim;
     if (a->lse != NULL) {
-      memcpy(a->lse, hout + f->pl.off_lse + (size_t)lse * 4, (size_t)rows * 4);
+      if (!a->dev) memcpy(a->lse, hout + f->pl.off_lse + (size_t)lse * 4, (size_t)rows * 4);
       lse += rows;
     }
   }
@@ -855,6 +895,117 @@ fail:
   return rv;
 }
 
+/* ---- memory and events of other processes (the data planes) ---------------------------- */
+
+static int map_host(void *ctx, void *p, size_t n, void **dev, char *err, size_t errlen) {
+  cuda_ctx *c = ctx;
+  int rv = 0;
+  CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
+  CUDA_GOTO(c, cudaHostRegister(p, n, cudaHostRegisterMapped | cudaHostRegisterPortable), fail);
+  cudaError_t e = cudaHostGetDevicePointer(dev, p, 0);
+  if (e != cudaSuccess) {
+    (void)cudaHostUnregister(p);
+    rv = cuda_fail(c, e, "cudaHostGetDevicePointer", __LINE__, err, errlen);
+  }
+fail:
+  return rv;
+}
+
+static void unmap_host(void *ctx, void *p) {
+  cuda_ctx *c = ctx;
+  (void)cudaSetDevice(c->cfg.device);
+  if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+typedef int (*addr_range_fn)(uintptr_t *base, size_t *size, uintptr_t ptr); /* cuMemGetAddressRange */
+
+static int map_ipc(void *ctx, const void *handle, size_t handle_len, uint64_t size, void **dev, char *err,
+                   size_t errlen) {
+  cuda_ctx *c = ctx;
+  int rv = 0;
+  cudaIpcMemHandle_t h;
+  if (handle_len != sizeof h) {
+    snprintf(err, errlen, "a CUDA IPC memory handle is %zu bytes, not %zu", sizeof h, handle_len);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  memcpy(&h, handle, sizeof h);
+  CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
+  cudaError_t e = cudaIpcOpenMemHandle(dev, h, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cudaIpcOpenMemHandle: %s (a handle from cudaIpcGetMemHandle of a live allocation of "
+             "another process on this GPU)", cudaGetErrorString(e));
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  /* The allocation must hold size bytes from its base: the driver knows its extent. */
+  static addr_range_fn range;
+  if (range == NULL) {
+    enum cudaDriverEntryPointQueryResult q;
+    void *fn = NULL;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 3020, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      range = (addr_range_fn)fn;
+  }
+  uintptr_t base = 0;
+  size_t have = 0;
+  if (range == NULL || range(&base, &have, (uintptr_t)*dev) != 0) {
+    (void)cudaIpcCloseMemHandle(*dev);
+    snprintf(err, errlen, "cuMemGetAddressRange of an opened IPC allocation failed");
+    return DETATTN_INTERNAL;
+  }
+  if (have - ((uintptr_t)*dev - base) < size) {
+    (void)cudaIpcCloseMemHandle(*dev);
+    snprintf(err, errlen, "the allocation behind the handle has %zu bytes, fewer than the %llu registered",
+             have - (size_t)((uintptr_t)*dev - base), (unsigned long long)size);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+fail:
+  return rv;
+}
+
+static void unmap_ipc(void *ctx, void *dev) {
+  cuda_ctx *c = ctx;
+  (void)cudaSetDevice(c->cfg.device);
+  if (cudaIpcCloseMemHandle(dev) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static int event_open(void *ctx, const void *handle, size_t handle_len, void **ev, char *err, size_t errlen) {
+  cuda_ctx *c = ctx;
+  int rv = 0;
+  cudaIpcEventHandle_t h;
+  if (handle_len != sizeof h) {
+    snprintf(err, errlen, "a CUDA IPC event handle is %zu bytes, not %zu", sizeof h, handle_len);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  memcpy(&h, handle, sizeof h);
+  CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
+  cudaEvent_t e2 = NULL;
+  cudaError_t e = cudaIpcOpenEventHandle(&e2, h);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    snprintf(err, errlen, "cudaIpcOpenEventHandle: %s (an event created with cudaEventInterprocess | "
+             "cudaEventDisableTiming by a live process)", cudaGetErrorString(e));
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  *ev = e2;
+fail:
+  return rv;
+}
+
+static void event_close(void *ctx, void *ev) {
+  (void)ctx;
+  if (cudaEventDestroy((cudaEvent_t)ev) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static int event_query(void *ctx, void *ev) {
+  (void)ctx;
+  cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+  if (e == cudaSuccess) return 1;
+  (void)cudaGetLastError();
+  if (e == cudaErrorNotReady) return 0;
+  return DETATTN_INTERNAL;
+}
+
 const da_backend_ops da_cuda_backend_ops = {
     .name = "cuda",
     .available = available,
@@ -863,4 +1014,11 @@ const da_backend_ops da_cuda_backend_ops = {
     .run = run,
     .submit = submit,
     .finish = finish,
+    .map_host = map_host,
+    .unmap_host = unmap_host,
+    .map_ipc = map_ipc,
+    .unmap_ipc = unmap_ipc,
+    .event_open = event_open,
+    .event_close = event_close,
+    .event_query = event_query,
 };

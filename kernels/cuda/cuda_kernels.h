@@ -102,6 +102,16 @@ int da_cuda_page_copy(void *kv, int64_t page_bytes, const int32_t *pairs, int n,
  * (seed, index), roughly N(0, 1) (benchmarks). */
 int da_cuda_fill(void *dst, size_t n, int mode, int bf16, uint64_t seed, cudaStream_t stream);
 
+/* segcopy.cu: copies n segments (a device array) of at most max_bytes each, in one launch.
+ * Segments must not overlap each other's destinations. */
+#define DA_CU_SEG_CHUNK 32768 /* bytes per CTA */
+typedef struct da_cu_seg {
+  const void *src;
+  void *dst;
+  int64_t bytes;
+} da_cu_seg;
+int da_cuda_segcopy(const da_cu_seg *segs, int n, int64_t max_bytes, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
