@@ -129,9 +129,16 @@ DETATTN_API int detattn_connect(detattn_client **out, const char *url);
  *        its ipc side socket): the daemon reads q/k/v and writes o/lse in place. Tensors
  *        allocated with detattn_arena_alloc are not copied at all; other pointers are
  *        copied into the arena (one memcpy each) and outputs copied back.
- *  AUTO  SHM when the daemon offers it (ipc://, same host), else COPY.
+ *  CUDA  device memory of this process on the daemon's GPU (a CUDA daemon on ipc://, same
+ *        host): the daemon opens each allocation once by its CUDA IPC memory handle and its
+ *        kernels read q/k/v and write o/lse there, with no host copy at all. Used by
+ *        detattn_forward_cuda; host tensors of the same client go by SHM.
+ *  AUTO  SHM when the daemon offers it (ipc://, same host), else COPY; detattn_forward_cuda
+ *        uses CUDA when the daemon offers it.
  * The arena is set up with the first call that needs the daemon's Hello, and again after a
  * reconnect (the daemon forgets a closed connection's arenas; the memory stays valid here).
+ * With data_plane CUDA a call fails with FAILED_PRECONDITION when the daemon offers no
+ * cuda plane.
  */
 typedef enum detattn_data_plane {
   DETATTN_PLANE_AUTO = 0,
@@ -212,6 +219,32 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
                                       size_t n, detattn_call **out);
 /* Waits for the call, writes its outputs, frees it, and returns its status. */
 DETATTN_API int detattn_call_wait(detattn_call *call);
+
+/*
+ * Forward with device tensors (the CUDA plane). Every q, k, v, o and lse of items is a
+ * device pointer of this process (host and device pointers do not mix in one call) into
+ * memory from cudaMalloc/cuMemAlloc (torch's caching allocator uses it; memory from the
+ * virtual memory API, e.g. torch's expandable segments, cannot be shared this way and is
+ * refused with INVALID_ARGUMENT), on the daemon's GPU.
+ *
+ * stream (a cudaStream_t or CUstream; NULL: the legacy default stream) orders the call:
+ * the daemon reads the inputs once the work queued on stream before the call has run (an
+ * interprocess event recorded here; the daemon never makes its own stream wait on it), and
+ * work queued on stream after detattn_forward_cuda returns (or after detattn_call_wait)
+ * runs after the outputs are written. The calling thread needs a current CUDA context on
+ * that device, as any CUDA call does; libdetattn loads libcuda.so.1 when first needed.
+ *
+ * Each allocation is registered with the daemon once and cached for the connection (an
+ * allocation freed and another made at the same address is noticed by its buffer id and
+ * registered anew); interprocess events come from a per-client pool. Bits equal those of
+ * detattn_forward on the same values. FAILED_PRECONDITION when the daemon offers no cuda
+ * plane (a CPU daemon, tcp://) or CUDA cannot be loaded here. The _start form returns once
+ * the request is sent; o and lse are written by the daemon's GPU, in place.
+ */
+DETATTN_API int detattn_forward_cuda(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
+                                     void *stream);
+DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, detattn_seq_io *items,
+                                           size_t n, void *stream, detattn_call **out);
 
 /*
  * Tensor parallelism: several daemons, typically one per GPU (detattnd --device N), used as
