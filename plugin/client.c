@@ -33,7 +33,9 @@ static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg) {
   (void)ev;
   pthread_mutex_lock(&c->mu);
   c->have_info = 0;
-  c->arena_id = 0; /* the daemon dropped it with the connection */
+  c->arena_id = 0; /* the daemon dropped it with the connection, and its CUDA regions */
+  c->conn_gen++;
+  c->cuda_plane = 0;
   pthread_mutex_unlock(&c->mu);
 }
 
@@ -227,6 +229,7 @@ DETATTN_API void detattn_close(detattn_client *c) {
   pthread_cond_destroy(&c->idle);
   pthread_mutex_destroy(&c->mu);
   pthread_mutex_destroy(&c->plane_mu);
+  da_cuda_client_fini(c);
   da_arena_destroy(&c->arena);
   free(c);
 }
@@ -473,6 +476,7 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
 
 void da_call_free(detattn_call *k) {
   if (!k) return;
+  if (k->client && (k->cu_evp || k->cu_bufs)) da_cuda_call_end(k->client, k, DETATTN_CANCELLED);
   /* nng_aio_free waits for a callback still returning from finish(). */
   nng_aio_free(k->aio);
   nng_ctx_close(k->ctx);

@@ -48,6 +48,63 @@ int da_arena_offset(const da_arena *a, const void *p, size_t len, uint64_t *off)
  * waits for the daemon's status byte. */
 int da_arena_handover(const da_arena *a, const char *path, uint32_t id, uint64_t token, int timeout_ms);
 
+/* The CUDA plane (plane_cuda.c), under client->plane_mu: allocations of this process
+ * registered with the daemon (a region id each), and free interprocess event pairs. */
+typedef struct da_cuda_buf {
+  uint64_t base, size, buffer_id; /* the allocation: base address, bytes, the driver's id */
+  uint64_t gen;                   /* the connection generation it was registered on */
+  uint64_t last_use;
+  uint32_t id;                    /* the daemon's region id */
+  int busy;                       /* calls being built or in flight that reference it */
+  int dead;                       /* unregistered; dropped at the next da_cuda_begin */
+} da_cuda_buf;
+
+typedef struct da_cuda_evp {
+  void *ready, *done;        /* CUevents (interprocess, no timing) */
+  uint32_t ready_id, done_id;
+  uint64_t gen;
+  struct da_cuda_evp *next;
+} da_cuda_evp;
+
+typedef struct da_cuda_state {
+  da_cuda_buf *bufs;
+  size_t n_bufs, cap_bufs;
+  da_cuda_evp *free_evps;
+  uint64_t tick;
+} da_cuda_state;
+
+/* The allocations one call being built references (indices into bufs). */
+typedef struct da_cuda_use {
+  uint64_t gen;
+  size_t *at;
+  size_t n, cap;
+} da_cuda_use;
+
+/* Loads libcuda.so.1 once; FAILED_PRECONDITION (message set) when it cannot. */
+int da_cuda_load(void);
+/* Building one call, with plane_mu held throughout: da_cuda_begin, then da_cuda_ref for
+ * each device tensor (its region id and offset; registers the allocation on first use and
+ * pins it against eviction), then da_cuda_use_ids (the ids the call keeps) or
+ * da_cuda_use_release (the call was not sent), then da_cuda_use_fini. */
+void da_cuda_begin(detattn_client *c, da_cuda_use *use);
+int da_cuda_ref(detattn_client *c, const void *p, size_t len, const char *what, size_t item, da_cuda_use *use,
+                uint32_t *id, uint64_t *off);
+int da_cuda_use_ids(detattn_client *c, const da_cuda_use *use, uint32_t **ids, size_t *n);
+void da_cuda_use_release(detattn_client *c, da_cuda_use *use);
+void da_cuda_use_fini(da_cuda_use *use);
+/* An event pair for one call (plane_mu held), its "ready" event recorded on stream. */
+int da_cuda_events_take(detattn_client *c, void *stream, da_cuda_evp **out);
+/* A CUDA call ended with status (takes plane_mu): on OK the caller's stream waits for the
+ * "done" event; the call's allocations are unpinned and its events pooled or retired. */
+void da_cuda_call_end(detattn_client *c, detattn_call *k, int status);
+/* Frees the plane's state at detattn_close. */
+void da_cuda_client_fini(detattn_client *c);
+/* Protobuf round trips for the plane (ops.c): RegisterCuda of a memory (event 0, size
+ * bytes) or event handle, and UnregisterArena of any region id. */
+int da_ops_register_cuda(detattn_client *c, int event, const void *handle, size_t len, uint64_t size,
+                         uint32_t *id);
+int da_ops_unregister(detattn_client *c, uint32_t id);
+
 /* What a call does once its reply is in: the request kind, and for Forward the caller's
  * output buffers (copied from detattn_seq_io at start). With the shm plane, outputs the
  * daemon wrote by reference (o_ref, lse_ref) are copied from the arena scratch blocks o_tmp,
@@ -82,6 +139,11 @@ struct detattn_call {
   da_call_out *out;
   void **scratch;  /* arena blocks holding copied inputs, freed when the call ends */
   size_t n_scratch;
+  /* CUDA plane calls: the caller's stream, the call's event pair, the region ids it uses. */
+  void *cu_stream;
+  da_cuda_evp *cu_evp;
+  uint32_t *cu_bufs;
+  size_t n_cu_bufs;
 };
 
 struct detattn_client {
@@ -105,6 +167,9 @@ struct detattn_client {
   uint32_t arena_id;        /* the daemon's id for the arena on this connection; 0: none */
   char arena_path[256];     /* from the Hello */
   da_arena arena;
+  uint64_t conn_gen;        /* under mu: bumped each time the connection drops */
+  int cuda_plane;           /* under mu: the daemon of this connection offers the cuda plane */
+  da_cuda_state cuda;       /* under plane_mu */
 };
 
 /* Sets this thread's error message (printf-style) and returns status, for one-line

@@ -210,6 +210,14 @@ static int arena_register(detattn_client *c) {
  * (and says why in the error message of nothing: the call goes on); SHM fails the call. */
 static int plane_setup(detattn_client *c, const detattn_server_info *info) {
   detattn_data_plane want = c->opts.data_plane;
+  int cuda = (info->data_planes & (1u << DETATTN_PLANE_CUDA)) != 0;
+  pthread_mutex_lock(&c->mu);
+  c->cuda_plane = cuda && want != DETATTN_PLANE_COPY;
+  pthread_mutex_unlock(&c->mu);
+  if (want == DETATTN_PLANE_CUDA && !cuda)
+    return da_err(DETATTN_FAILED_PRECONDITION,
+                  "the daemon at %s offers no cuda plane (it needs --backend cuda and an ipc:// listener)", c->url);
+  if (want == DETATTN_PLANE_CUDA) want = DETATTN_PLANE_AUTO; /* host tensors: shm where offered */
   if (want == DETATTN_PLANE_COPY) return DETATTN_OK;
   pthread_mutex_lock(&c->plane_mu);
   pthread_mutex_lock(&c->mu);
@@ -233,6 +241,39 @@ static int plane_setup(detattn_client *c, const detattn_server_info *info) {
   }
   pthread_mutex_unlock(&c->plane_mu);
   return st;
+}
+
+int da_ops_register_cuda(detattn_client *c, int event, const void *handle, size_t len, uint64_t size,
+                         uint32_t *id) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterCuda rc = DETATTN__V1__REGISTER_CUDA__INIT;
+  reply x;
+  int st;
+
+  rc.handle = (ProtobufCBinaryData){len, (uint8_t *)(uintptr_t)handle};
+  rc.size = size;
+  rc.event = event != 0;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_CUDA;
+  rq.register_cuda = &rc;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  *id = x.r->register_cuda->id;
+  reply_free(&x);
+  if (*id == 0) return da_err(DETATTN_INTERNAL, "register_cuda reply with region id 0");
+  return DETATTN_OK;
+}
+
+int da_ops_unregister(detattn_client *c, uint32_t id) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__UnregisterArena ua = DETATTN__V1__UNREGISTER_ARENA__INIT;
+  reply x;
+  int st;
+
+  ua.arena = id;
+  rq.op_case = DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA;
+  rq.unregister_arena = &ua;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  reply_free(&x);
+  return DETATTN_OK;
 }
 
 DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
@@ -517,6 +558,139 @@ done:
   return st;
 }
 
+/* The CUDA plane's Forward: every tensor a (region, offset) of this process's device
+ * memory, inputs ordered after stream's work by the call's "ready" event. */
+DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
+                                           void *stream, detattn_call **out) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
+  Detattn__V1__ForwardSeq *seqs = NULL, **ptrs = NULL;
+  Detattn__V1__TensorRef *refs = NULL;
+  da_call_out *outs = NULL;
+  da_cuda_use use = {0};
+  da_cuda_evp *evp = NULL;
+  uint32_t *ids = NULL;
+  size_t n_ids = 0;
+  detattn_server_info info;
+  detattn_call *k;
+  int st, want_lse = 0;
+
+  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: out is NULL");
+  *out = NULL;
+  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: client is NULL");
+  if (!items || n == 0) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: no sequences");
+  for (size_t i = 0; i < n; i++) {
+    if (items[i].n_tokens > 0 && (!items[i].q || !items[i].k || !items[i].v || !items[i].o))
+      return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: item %zu has %u tokens but a NULL q, k, v or o", i,
+                    items[i].n_tokens);
+    if (items[i].lse) want_lse = 1;
+  }
+  if ((st = get_info(c, &info)) != DETATTN_OK) return st;
+  pthread_mutex_lock(&c->mu);
+  int offered = c->cuda_plane;
+  pthread_mutex_unlock(&c->mu);
+  if (!offered)
+    return da_err(DETATTN_FAILED_PRECONDITION,
+                  "forward_cuda: the daemon at %s offers no cuda plane (it needs --backend cuda and an ipc:// "
+                  "listener; this client's data plane is %s)",
+                  c->url, detattn_data_plane_name(c->opts.data_plane));
+  if ((st = da_cuda_load()) != DETATTN_OK) return st;
+  const detattn_model *m = &info.model;
+  uint64_t q_row = (uint64_t)m->n_q_heads * m->head_dim * 2, kv_row = (uint64_t)m->n_kv_heads * m->head_dim * 2;
+  uint64_t lse_row = (uint64_t)m->n_q_heads * 4;
+
+  seqs = calloc(n, sizeof *seqs);
+  ptrs = calloc(n, sizeof *ptrs);
+  outs = calloc(n, sizeof *outs);
+  refs = calloc(5 * n, sizeof *refs);
+  if (!seqs || !ptrs || !outs || !refs) {
+    st = da_err(DETATTN_RESOURCE_EXHAUSTED, "forward_cuda: out of memory for %zu items", n);
+    goto done;
+  }
+  pthread_mutex_lock(&c->plane_mu);
+  da_cuda_begin(c, &use);
+  size_t n_refs = 0;
+  for (size_t i = 0; i < n && st == DETATTN_OK; i++) {
+    const detattn_seq_io *it = &items[i];
+    Detattn__V1__ForwardSeq init = DETATTN__V1__FORWARD_SEQ__INIT;
+    seqs[i] = init;
+    seqs[i].seq = it->seq;
+    seqs[i].pos = it->pos;
+    seqs[i].n_tokens = it->n_tokens;
+    outs[i] = (da_call_out){.n_tokens = it->n_tokens, .o = it->o, .lse = it->lse, .o_ref = 1, .lse_ref = want_lse};
+    ptrs[i] = &seqs[i];
+    if (it->n_tokens == 0) continue;
+    const void *p[5] = {it->q, it->k, it->v, it->o, it->lse};
+    const uint64_t len[5] = {it->n_tokens * q_row, it->n_tokens * kv_row, it->n_tokens * kv_row, it->n_tokens * q_row,
+                             it->n_tokens * lse_row};
+    static const char *const what[5] = {"q", "k", "v", "o", "lse"};
+    Detattn__V1__TensorRef **dst[5] = {&seqs[i].q_ref, &seqs[i].k_ref, &seqs[i].v_ref, &seqs[i].o_ref,
+                                       &seqs[i].lse_ref};
+    for (int t = 0; t < 5 && st == DETATTN_OK; t++) {
+      if (t == 4 && !want_lse) break;
+      if (t == 4 && !p[4]) {
+        st = da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: item %zu has no lse while others have one", i);
+        break;
+      }
+      Detattn__V1__TensorRef *r = &refs[n_refs++];
+      *r = (Detattn__V1__TensorRef)DETATTN__V1__TENSOR_REF__INIT;
+      r->length = len[t];
+      st = da_cuda_ref(c, p[t], (size_t)len[t], what[t], i, &use, &r->arena, &r->offset);
+      *dst[t] = r;
+    }
+  }
+  if (st == DETATTN_OK) st = da_cuda_events_take(c, stream, &evp);
+  if (st == DETATTN_OK) st = da_cuda_use_ids(c, &use, &ids, &n_ids);
+  if (st != DETATTN_OK) {
+    da_cuda_use_release(c, &use);
+    if (evp) {
+      evp->next = c->cuda.free_evps;
+      c->cuda.free_evps = evp;
+    }
+  }
+  da_cuda_use_fini(&use);
+  pthread_mutex_unlock(&c->plane_mu);
+  if (st != DETATTN_OK) goto done;
+  f.layer = layer;
+  f.n_seqs = n;
+  f.seqs = ptrs;
+  f.want_lse = want_lse;
+  f.wait_event = evp->ready_id;
+  f.signal_event = evp->done_id;
+  rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
+  rq.forward = &f;
+  if ((st = start_request(c, &rq, &k)) != DETATTN_OK) {
+    detattn_call tmp = {.client = c, .cu_stream = stream, .cu_evp = evp, .cu_bufs = ids, .n_cu_bufs = n_ids};
+    da_cuda_call_end(c, &tmp, DETATTN_FAILED_PRECONDITION);
+    goto done;
+  }
+  k->model = *m;
+  k->want_lse = want_lse;
+  k->n_out = n;
+  k->out = outs;
+  k->cu_stream = stream;
+  k->cu_evp = evp;
+  k->cu_bufs = ids;
+  k->n_cu_bufs = n_ids;
+  outs = NULL;
+  *out = k;
+done:
+  free(refs);
+  free(outs);
+  free(ptrs);
+  free(seqs);
+  return st;
+}
+
+DETATTN_API int detattn_forward_cuda(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
+                                     void *stream) {
+  detattn_call *k;
+  int st;
+
+  if ((st = detattn_forward_cuda_start(c, layer, items, n, stream, &k)) != DETATTN_OK) return st;
+  return detattn_call_wait(k);
+}
+
 /* Checks every output length of a Forward reply against the model before writing any. */
 static int check_forward_reply(const detattn_call *k, const Detattn__V1__ForwardReply *fr) {
   const detattn_model *m = &k->model;
@@ -573,6 +747,7 @@ DETATTN_API int detattn_call_wait(detattn_call *k) {
     st = deliver_forward(k, x.r);
     reply_free(&x);
   }
+  if (k->cu_evp || k->cu_bufs) da_cuda_call_end(k->client, k, st);
   da_call_free(k);
   return st;
 }

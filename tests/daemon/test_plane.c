@@ -508,6 +508,64 @@ START_TEST(shm_is_refused_over_tcp_and_auto_falls_back_to_copy) {
 }
 END_TEST
 
+START_TEST(the_cuda_plane_is_refused_clearly_by_a_daemon_without_it) {
+  /* The option: a CPU daemon offers copy and shm, not cuda. */
+  detattn_connect_opts o;
+  detattn_connect_opts_init(&o);
+  o.data_plane = DETATTN_PLANE_CUDA;
+  detattn_client *c;
+  detattn_server_info info;
+  ck_assert_int_eq(detattn_connect_ex(&c, D.url, &o), DETATTN_OK);
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_FAILED_PRECONDITION);
+  ck_assert_msg(strstr(detattn_errmsg(), "no cuda plane") != NULL, "message: %s", detattn_errmsg());
+  detattn_close(c);
+
+  /* The call, from a client on the default plane: refused before anything is sent. */
+  c = connect_plane(DETATTN_PLANE_SHM);
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_OK);
+  ck_assert_uint_eq(info.data_planes, (1u << DETATTN_PLANE_COPY) | (1u << DETATTN_PLANE_SHM));
+  uint64_t seq;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  uint16_t buf[QROW];
+  detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = 1, .q = buf, .k = buf, .v = buf, .o = buf};
+  ck_assert_int_eq(detattn_forward_cuda(c, 0, &io, 1, NULL), DETATTN_FAILED_PRECONDITION);
+  ck_assert_msg(strstr(detattn_errmsg(), "no cuda plane") != NULL, "message: %s", detattn_errmsg());
+
+  /* Raw requests: RegisterCuda, and a Forward naming an event nobody registered. */
+  raw r;
+  raw_open(&r);
+  char msg[256];
+  uint8_t handle[64] = {1};
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterCuda rc = DETATTN__V1__REGISTER_CUDA__INIT;
+  rc.handle = (ProtobufCBinaryData){sizeof handle, handle};
+  rc.size = 4096;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_CUDA;
+  rq.register_cuda = &rc;
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "register_cuda on a CPU daemon");
+  rc.handle.len = 0;
+  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "register_cuda without a handle");
+  uint64_t token;
+  uint32_t arena = raw_register(&r, 1 << 20, &token);
+  int fd = make_memfd(1 << 20, 1);
+  ck_assert_int_eq(handover(fd, arena, token), 0);
+  close(fd);
+  uint64_t rseq = raw_seq_open(&r);
+  ref_fwd x;
+  ref_fwd_init(&x, rseq, arena, 2, 0);
+  x.f.wait_event = 77;
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward with an unknown wait_event");
+  x.f.wait_event = 0;
+  x.f.signal_event = arena; /* an arena is not an event */
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward signalling an arena");
+  /* Nothing was appended: the same Forward at pos 0 still succeeds. */
+  x.f.signal_event = 0;
+  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "forward after the refusals");
+  nng_close(r.sock);
+  detattn_close(c);
+}
+END_TEST
+
 static Suite *plane_suite(void) {
   Suite *s = suite_create("plane");
   TCase *t = tcase_create("shm");
@@ -518,6 +576,7 @@ static Suite *plane_suite(void) {
   tcase_add_test(t, bad_references_and_arenas_get_their_codes_and_write_nothing);
   tcase_add_test(t, a_client_killed_or_unmapping_mid_call_leaves_nothing_behind);
   tcase_add_test(t, shm_is_refused_over_tcp_and_auto_falls_back_to_copy);
+  tcase_add_test(t, the_cuda_plane_is_refused_clearly_by_a_daemon_without_it);
   suite_add_tcase(s, t);
   return s;
 }
