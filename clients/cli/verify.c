@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "da.h"
+#include "devmem.h"
 #include "verify.h"
 
 /* One sequence on one layer: inputs and both passes' outputs for all its tokens. */
@@ -13,6 +14,10 @@ typedef struct seq_layer {
   uint16_t *q, *k, *v;
   uint16_t *o_ref, *o_conc;
   float *lse_ref, *lse_conc;
+  /* cuda plane: the concurrent pass's tensors in device memory (inside its sequence's
+   * allocation, dev_seq) */
+  uint16_t *dq, *dk, *dv, *d_o;
+  float *dlse;
 } seq_layer;
 
 struct da_verify {
@@ -23,6 +28,8 @@ struct da_verify {
   uint32_t max_chunk;       /* tokens per Forward, from the daemon's limits */
   seq_layer *sl;            /* [n_seqs][n_layers] */
   size_t q_row, kv_row;     /* elements per token */
+  int cuda;                 /* the concurrent pass uses the cuda plane */
+  void **dev_seq;           /* [n_seqs]: one device allocation per sequence */
 };
 
 void da_verify_cfg_defaults(da_verify_cfg *c) {
@@ -77,6 +84,9 @@ void da_verify_free(da_verify *v) {
       free(t->lse_conc);
     }
   }
+  if (v->dev_seq)
+    for (int s = 0; s < v->n_seqs; s++) da_devmem_free(v->dev_seq[s]);
+  free(v->dev_seq);
   free(v->sl);
   free(v->prompt);
   free(v->total);
@@ -201,6 +211,11 @@ static int cut(da_rng *r, uint32_t prompt, uint32_t steps, uint32_t cap, uint32_
 static detattn_seq_io io_for(const da_verify *v, const seq_layer *t, uint64_t seq, uint32_t pos, uint32_t n,
                              int conc) {
   size_t hq = v->info.model.n_q_heads;
+  if (conc && v->cuda)
+    return (detattn_seq_io){
+        .seq = seq, .pos = pos, .n_tokens = n,
+        .q = t->dq + pos * v->q_row, .k = t->dk + pos * v->kv_row, .v = t->dv + pos * v->kv_row,
+        .o = t->d_o + pos * v->q_row, .lse = t->dlse + pos * hq};
   return (detattn_seq_io){
       .seq = seq, .pos = pos, .n_tokens = n,
       .q = t->q + pos * v->q_row, .k = t->k + pos * v->kv_row, .v = t->v + pos * v->kv_row,
@@ -311,7 +326,8 @@ static int worker_round(worker *w, detattn_client *c, cursor *cur, int n_cur, da
         layer = t->layer;
         io[x - g0] = io_for(v, t, k->seq, k->pos, k->chunks[k->next], 1);
       }
-      if ((st = detattn_forward_start(c, layer, io, (size_t)(g1 - g0), &calls[n_calls])) != DETATTN_OK)
+      if ((st = v->cuda ? detattn_forward_cuda_start(c, layer, io, (size_t)(g1 - g0), NULL, &calls[n_calls])
+                        : detattn_forward_start(c, layer, io, (size_t)(g1 - g0), &calls[n_calls])) != DETATTN_OK)
         fail(w->msg, sizeof w->msg, st, "concurrent pass: forward_start");
       else
         n_calls++;
@@ -354,7 +370,7 @@ static void *worker_main(void *arg) {
     goto done;
   }
   w->fingerprint = info.fingerprint;
-  w->plane = (int)detattn_data_plane_get(c);
+  w->plane = v->cuda ? DETATTN_PLANE_CUDA : (int)detattn_data_plane_get(c);
   da_rng_seed(&r, mix(v->cfg.seed, 4, (uint64_t)w->index));
   for (int s = w->index; s < v->n_seqs && n_cur < 64; s += v->cfg.clients) {
     cursor *k = &cur[n_cur++];
@@ -390,8 +406,66 @@ done:
   return NULL;
 }
 
+/* cuda plane: every sequence's inputs and outputs in one device allocation of its own
+ * (several registrations per connection), inputs uploaded before the pass. */
+static int device_setup(da_verify *v, char *msg, size_t len) {
+  const size_t hq = v->info.model.n_q_heads;
+  char why[160];
+  if (!da_devmem_available(why, sizeof why)) {
+    snprintf(msg, len, "--data-plane cuda: %s", why);
+    return DETATTN_FAILED_PRECONDITION;
+  }
+  if (!(v->dev_seq = calloc((size_t)v->n_seqs, sizeof *v->dev_seq))) {
+    snprintf(msg, len, "out of memory");
+    return DETATTN_RESOURCE_EXHAUSTED;
+  }
+  for (int s = 0; s < v->n_seqs; s++) {
+    const size_t n = v->total[s], qb = n * v->q_row * 2, kb = n * v->kv_row * 2, lb = n * hq * 4;
+    const size_t per = (2 * qb + 2 * kb + lb + 255) & ~(size_t)255;
+    uint8_t *d = v->dev_seq[s] = da_devmem_alloc(per * (size_t)v->n_layers);
+    if (!d) {
+      snprintf(msg, len, "--data-plane cuda: cannot allocate %zu bytes of device memory", per * (size_t)v->n_layers);
+      return DETATTN_RESOURCE_EXHAUSTED;
+    }
+    for (int li = 0; li < v->n_layers; li++, d += per) {
+      seq_layer *t = &v->sl[(size_t)s * v->n_layers + li];
+      t->dq = (uint16_t *)d, t->dk = (uint16_t *)(d + qb), t->dv = (uint16_t *)(d + qb + kb);
+      t->d_o = (uint16_t *)(d + qb + 2 * kb), t->dlse = (float *)(d + 2 * qb + 2 * kb);
+      if (da_devmem_upload(t->dq, t->q, qb) || da_devmem_upload(t->dk, t->k, kb) ||
+          da_devmem_upload(t->dv, t->v, kb) || da_devmem_upload(t->d_o, t->o_conc, qb) ||
+          da_devmem_upload(t->dlse, t->lse_conc, lb)) {
+        snprintf(msg, len, "--data-plane cuda: uploading the workload failed");
+        return DETATTN_INTERNAL;
+      }
+    }
+  }
+  return DETATTN_OK;
+}
+
+/* cuda plane: the pass's outputs back to the host for the comparison. */
+static int device_collect(da_verify *v, char *msg, size_t len) {
+  const size_t hq = v->info.model.n_q_heads;
+  if (da_devmem_sync() != 0) {
+    snprintf(msg, len, "--data-plane cuda: device synchronize failed");
+    return DETATTN_INTERNAL;
+  }
+  for (int s = 0; s < v->n_seqs; s++)
+    for (int li = 0; li < v->n_layers; li++) {
+      seq_layer *t = &v->sl[(size_t)s * v->n_layers + li];
+      const size_t n = v->total[s];
+      if (da_devmem_download(t->o_conc, t->d_o, n * v->q_row * 2) ||
+          da_devmem_download(t->lse_conc, t->dlse, n * hq * 4)) {
+        snprintf(msg, len, "--data-plane cuda: downloading the outputs failed");
+        return DETATTN_INTERNAL;
+      }
+    }
+  return DETATTN_OK;
+}
+
 static int concurrent_pass(da_verify *v, da_verify_result *res, char *msg, size_t len) {
   int n = v->cfg.clients, st = DETATTN_OK;
+  v->cuda = v->cfg.data_plane_set && v->cfg.data_plane == DETATTN_PLANE_CUDA;
+  if (v->cuda && (st = device_setup(v, msg, len)) != DETATTN_OK) return st;
   worker *w = calloc((size_t)n, sizeof *w);
   pthread_t *thr = calloc((size_t)n, sizeof *thr);
   int *started = calloc((size_t)n, sizeof *started);
@@ -421,6 +495,7 @@ static int concurrent_pass(da_verify *v, da_verify_result *res, char *msg, size_
   res->data_plane_used = w[0].plane;
   for (int i = 1; i < n; i++)
     if (w[i].plane != res->data_plane_used) res->data_plane_used = -1; /* mixed */
+  if (v->cuda && st == DETATTN_OK) st = device_collect(v, msg, len);
   for (int i = 0; i < n && st == DETATTN_OK; i++) {
     res->forwards_concurrent += w[i].forwards;
     if (w[i].status != DETATTN_OK) {

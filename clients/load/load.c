@@ -11,13 +11,17 @@
 
 #include <xxhash.h>
 
+#include "devmem.h"
+
 typedef struct engine engine;
 
 typedef struct worker {
   engine *e;
   pthread_t th;
-  /* Input and output buffers, grown on demand. */
+  /* Input and output buffers, grown on demand; with the cuda plane their device copies
+   * (inputs uploaded before each call, o downloaded after it for hashing). */
   void *q, *k, *v, *o;
+  void *dq, *dk, *dv, *d_o;
   size_t cap_tokens;
   da_hist fwd, fwd_prefill, fwd_decode, ttft, tpot, start_lag;
   uint64_t sequences, forward_calls, tokens, prompt_tokens, output_tokens, last_done_ns;
@@ -85,8 +89,30 @@ static int worker_reserve(worker *wk, const da_workload *w, size_t n) {
   void *o = realloc(wk->o, n * qrow_bytes(w));
   if (o) wk->o = o;
   if (!q || !k || !v || !o) return DETATTN_RESOURCE_EXHAUSTED;
+  if (wk->e->cfg->data_plane == DETATTN_PLANE_CUDA) {
+    void **d[4] = {&wk->dq, &wk->dk, &wk->dv, &wk->d_o};
+    size_t b[4] = {n * qrow_bytes(w), n * kvrow_bytes(w), n * kvrow_bytes(w), n * qrow_bytes(w)};
+    for (int i = 0; i < 4; i++) {
+      da_devmem_free(*d[i]);
+      if (!(*d[i] = da_devmem_alloc(b[i]))) return DETATTN_RESOURCE_EXHAUSTED;
+    }
+  }
   wk->cap_tokens = n;
   return DETATTN_OK;
+}
+
+/* One Forward of io (host tensors) over the configured plane. */
+static int forward(worker *wk, detattn_client *c, const da_workload *w, uint32_t layer, detattn_seq_io *io) {
+  if (wk->e->cfg->data_plane != DETATTN_PLANE_CUDA) return detattn_forward(c, layer, io, 1);
+  size_t qb = io->n_tokens * qrow_bytes(w), kb = io->n_tokens * kvrow_bytes(w);
+  if (da_devmem_upload(wk->dq, io->q, qb) || da_devmem_upload(wk->dk, io->k, kb) ||
+      da_devmem_upload(wk->dv, io->v, kb))
+    return DETATTN_INTERNAL;
+  detattn_seq_io d = *io;
+  d.q = wk->dq, d.k = wk->dk, d.v = wk->dv, d.o = wk->d_o;
+  int rc = detattn_forward_cuda(c, layer, &d, 1, NULL);
+  if (rc == DETATTN_OK && da_devmem_download(io->o, wk->d_o, qb)) return DETATTN_INTERNAL;
+  return rc;
 }
 
 static void worker_init(worker *wk, engine *e, uint32_t n_layers) {
@@ -106,6 +132,10 @@ static void worker_fini(worker *wk) {
   free(wk->k);
   free(wk->v);
   free(wk->o);
+  da_devmem_free(wk->dq);
+  da_devmem_free(wk->dk);
+  da_devmem_free(wk->dv);
+  da_devmem_free(wk->d_o);
   da_record_fini(&wk->rec);
 }
 
@@ -166,7 +196,7 @@ static int run_seq(worker *wk, detattn_client *c, const da_workload *w, uint32_t
       }
       detattn_seq_io io = {.seq = seq, .pos = pos, .n_tokens = n, .q = wk->q, .k = wk->k,
                            .v = wk->v, .o = wk->o, .lse = NULL};
-      rc = detattn_forward(c, layer, &io, 1);
+      rc = forward(wk, c, w, layer, &io);
       done = da_now_ns();
       if (rc != DETATTN_OK) {
         wk->forward_errors++;

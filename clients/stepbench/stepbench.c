@@ -21,6 +21,7 @@
 
 #include "da.h"
 #include "detattn.h"
+#include "devmem.h"
 #include "hist.h"
 
 typedef struct opts {
@@ -97,9 +98,28 @@ static void *mem(detattn_client *c, size_t n) {
   return p ? p : malloc(n);
 }
 
+/* --data-plane cuda: the same tensors, moved into one device allocation. */
+static int to_device(bufs *b, size_t rows) {
+  char why[160];
+  if (!da_devmem_available(why, sizeof why)) {
+    fprintf(stderr, "detattn-step-bench: --data-plane cuda: %s\n", why);
+    return -1;
+  }
+  size_t qb = rows * b->qrow, kb = rows * b->kvrow;
+  uint8_t *d = da_devmem_alloc(2 * qb + 2 * kb);
+  if (!d || da_devmem_upload(d, b->q, qb) || da_devmem_upload(d + qb, b->k, kb) ||
+      da_devmem_upload(d + qb + kb, b->v, kb)) {
+    fprintf(stderr, "detattn-step-bench: --data-plane cuda: device memory for %zu rows failed\n", rows);
+    return -1;
+  }
+  b->q = d, b->k = d + qb, b->v = d + qb + kb, b->o = d + qb + 2 * kb;
+  return 0;
+}
+
 typedef struct bench {
   opts o;
   detattn_client *c;
+  int cuda; /* --data-plane cuda: tensors in device memory, calls by detattn_forward_cuda */
   detattn_model m;
   int layers;
   uint64_t *seqs;
@@ -116,7 +136,7 @@ static int start(bench *x, int l, int s0, int s1, int t, detattn_seq_io *io, det
                                   .q = x->b.q + r * x->b.qrow, .k = x->b.k + r * x->b.kvrow,
                                   .v = x->b.v + r * x->b.kvrow, .o = x->b.o + r * x->b.qrow};
   }
-  (void)l;
+  if (x->cuda) return detattn_forward_cuda_start(x->c, (uint32_t)l, io, (size_t)(s1 - s0), NULL, call);
   return detattn_forward_start(x->c, (uint32_t)l, io, (size_t)(s1 - s0), call);
 }
 
@@ -235,6 +255,8 @@ int main(int argc, char **argv) {
   da_rng_fill(&r, dt, x.b.q, rows * x.b.qrow / 2, 1.0);
   da_rng_fill(&r, dt, x.b.k, rows * x.b.kvrow / 2, 1.0);
   da_rng_fill(&r, dt, x.b.v, rows * x.b.kvrow / 2, 1.0);
+  if (co.data_plane == DETATTN_PLANE_CUDA && (st = to_device(&x.b, rows)) != 0) return 1;
+  x.cuda = co.data_plane == DETATTN_PLANE_CUDA;
   x.seqs = calloc((size_t)o->batch, sizeof *x.seqs);
   x.len = calloc((size_t)o->batch, sizeof *x.len);
   for (int s = 0; s < o->batch && st == DETATTN_OK; s++) st = detattn_seq_open(x.c, &x.seqs[s]);
@@ -248,7 +270,7 @@ int main(int argc, char **argv) {
   da_hist_init(&x.step_ns);
   for (int i = 0; i < o->warmup + o->steps && st == DETATTN_OK; i++) st = step(&x, i >= o->warmup);
   if (st != DETATTN_OK) return 1;
-  const char *plane = detattn_data_plane_name(detattn_data_plane_get(x.c));
+  const char *plane = detattn_data_plane_name(x.cuda ? DETATTN_PLANE_CUDA : detattn_data_plane_get(x.c));
   double pre_tps = (double)o->batch * o->context / pre_s;
   double step_p50 = (double)da_hist_quantile(&x.step_ns, 0.5) * 1e-6, step_p99 = (double)da_hist_quantile(&x.step_ns, 0.99) * 1e-6;
   double call_p50 = (double)da_hist_quantile(&x.call_ns, 0.5) * 1e-3, call_p99 = (double)da_hist_quantile(&x.call_ns, 0.99) * 1e-3;

@@ -25,6 +25,7 @@
 
 #include "da.h"
 #include "daemon_proc.h"
+#include "raw_client.h"
 #include "detattn.h"
 #include "detattn.pb-c.h"
 #include "testutil.h"
@@ -155,44 +156,7 @@ END_TEST
 
 /* ---- hostile and broken clients, with raw requests ---- */
 
-typedef struct raw {
-  nng_socket sock;
-  uint64_t next_id;
-} raw;
-
-static void raw_open(raw *r) {
-  ck_assert_int_eq(nng_req0_open(&r->sock), 0);
-  nng_socket_set_ms(r->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
-  nng_socket_set_ms(r->sock, NNG_OPT_RECVTIMEO, 10000);
-  ck_assert_int_eq(nng_dial(r->sock, D.url, NULL, 0), 0);
-  r->next_id = 1;
-}
-
-/* Sends rq, returns the status code; the reply in *out when out is not NULL. */
-static int raw_call(raw *r, Detattn__V1__Request *rq, char *msg, size_t len, Detattn__V1__Response **out) {
-  rq->id = r->next_id++;
-  size_t n = detattn__v1__request__get_packed_size(rq);
-  nng_msg *m;
-  ck_assert_int_eq(nng_msg_alloc(&m, n), 0);
-  detattn__v1__request__pack(rq, nng_msg_body(m));
-  ck_assert_int_eq(nng_sendmsg(r->sock, m, 0), 0);
-  ck_assert_int_eq(nng_recvmsg(r->sock, &m, 0), 0);
-  Detattn__V1__Response *resp = detattn__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
-  nng_msg_free(m);
-  ck_assert_ptr_nonnull(resp);
-  int code = resp->status ? (int)resp->status->code : 0;
-  snprintf(msg, len, "%s", resp->status && resp->status->message ? resp->status->message : "");
-  if (out) *out = resp;
-  else detattn__v1__response__free_unpacked(resp, NULL);
-  return code;
-}
-
-static void expect(int got, const char *msg, int want, const char *what) {
-  ck_assert_msg(got == want, "%s: got %s (%s), want %s", what, detattn_status_name(got), msg, detattn_status_name(want));
-  ck_assert_msg(msg[0] != '\0' || want == 0, "%s: %s without a message", what, detattn_status_name(got));
-}
-
-static uint32_t raw_register(raw *r, uint64_t size, uint64_t *token) {
+static uint32_t raw_register(da_raw *r, uint64_t size, uint64_t *token) {
   Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
   Detattn__V1__Response *resp;
@@ -200,7 +164,7 @@ static uint32_t raw_register(raw *r, uint64_t size, uint64_t *token) {
   ra.size = size;
   rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
   rq.register_arena = &ra;
-  expect(raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "register_arena");
+  da_raw_expect(da_raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "register_arena");
   uint32_t id = resp->register_arena->arena;
   *token = resp->register_arena->token;
   detattn__v1__response__free_unpacked(resp, NULL);
@@ -247,70 +211,17 @@ static int handover(int fd, uint32_t id, uint64_t token) {
   return rv;
 }
 
-static uint64_t raw_seq_open(raw *r) {
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
-  Detattn__V1__Response *resp;
-  char msg[256];
-  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
-  rq.seq_open = &so;
-  expect(raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "seq_open");
-  uint64_t seq = resp->seq_open->seq;
-  detattn__v1__response__free_unpacked(resp, NULL);
-  return seq;
-}
-
-/* A one-sequence Forward of n tokens at pos 0 with every tensor by reference. */
-typedef struct ref_fwd {
-  Detattn__V1__TensorRef ref[5];
-  Detattn__V1__ForwardSeq fs;
-  Detattn__V1__ForwardSeq *fsp;
-  Detattn__V1__Forward f;
-  Detattn__V1__Request rq;
-} ref_fwd;
-
-static void ref_fwd_init(ref_fwd *x, uint64_t seq, uint32_t arena, int n, uint64_t base) {
-  Detattn__V1__ForwardSeq fs = DETATTN__V1__FORWARD_SEQ__INIT;
-  Detattn__V1__Forward f = DETATTN__V1__FORWARD__INIT;
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  uint64_t len[5] = {(uint64_t)n * QROW, (uint64_t)n * KVROW, (uint64_t)n * KVROW, (uint64_t)n * QROW, (uint64_t)n * HQ * 4};
-  uint64_t off = base;
-  for (int i = 0; i < 5; i++) {
-    x->ref[i] = (Detattn__V1__TensorRef)DETATTN__V1__TENSOR_REF__INIT;
-    x->ref[i].arena = arena;
-    x->ref[i].offset = off;
-    x->ref[i].length = len[i];
-    off += len[i];
-  }
-  x->fs = fs;
-  x->fs.seq = seq;
-  x->fs.n_tokens = (uint32_t)n;
-  x->fs.q_ref = &x->ref[0];
-  x->fs.k_ref = &x->ref[1];
-  x->fs.v_ref = &x->ref[2];
-  x->fs.o_ref = &x->ref[3];
-  x->fs.lse_ref = &x->ref[4];
-  x->fsp = &x->fs;
-  x->f = f;
-  x->f.n_seqs = 1;
-  x->f.seqs = &x->fsp;
-  x->f.want_lse = 1;
-  x->rq = rq;
-  x->rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
-  x->rq.forward = &x->f;
-}
-
 START_TEST(bad_references_and_arenas_get_their_codes_and_write_nothing) {
   enum { SIZE = 1 << 20, N = 16 };
-  raw r;
-  raw_open(&r);
+  da_raw r;
+  da_raw_open(&r, D.url);
   char msg[256];
-  uint64_t token, seq = raw_seq_open(&r);
+  uint64_t token, seq = da_raw_seq_open(&r);
   uint32_t id = raw_register(&r, SIZE, &token);
-  ref_fwd x;
+  da_raw_fwd x;
   /* Not handed over yet. */
-  ref_fwd_init(&x, seq, id, N, 0);
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "arena not handed over");
+  da_raw_fwd_init(&x, seq, id, N, 0, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "arena not handed over");
   /* An unsealed memfd is refused (it could be truncated under the daemon). */
   int bad = make_memfd(SIZE, 0);
   ck_assert_int_eq(handover(bad, id, token), DETATTN_INVALID_ARGUMENT);
@@ -335,28 +246,28 @@ START_TEST(bad_references_and_arenas_get_their_codes_and_write_nothing) {
   uint8_t *before = malloc(SIZE);
   memcpy(before, mem, SIZE);
   /* References outside the arena, overflowing, misaligned, or of the wrong length. */
-  ref_fwd_init(&x, seq, id, N, SIZE - 100);
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q past the arena's end");
-  ref_fwd_init(&x, seq, id, N, 0);
+  da_raw_fwd_init(&x, seq, id, N, SIZE - 100, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q past the arena's end");
+  da_raw_fwd_init(&x, seq, id, N, 0, QROW, KVROW, HQ * 4);
   x.ref[3].offset = UINT64_MAX - 10;
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "o offset overflowing");
-  ref_fwd_init(&x, seq, id, N, 1);
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "misaligned q");
-  ref_fwd_init(&x, seq, id, N, 0);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "o offset overflowing");
+  da_raw_fwd_init(&x, seq, id, N, 1, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "misaligned q");
+  da_raw_fwd_init(&x, seq, id, N, 0, QROW, KVROW, HQ * 4);
   x.ref[0].length -= 2;
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q length wrong");
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "q length wrong");
   /* Unknown arena; the arena of another connection. */
-  ref_fwd_init(&x, seq, id + 1000, N, 0);
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unknown arena");
-  raw other;
-  raw_open(&other);
-  uint64_t oseq = raw_seq_open(&other);
-  ref_fwd_init(&x, oseq, id, N, 0);
-  expect(raw_call(&other, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "another connection's arena");
+  da_raw_fwd_init(&x, seq, id + 1000, N, 0, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unknown arena");
+  da_raw other;
+  da_raw_open(&other, D.url);
+  uint64_t oseq = da_raw_seq_open(&other);
+  da_raw_fwd_init(&x, oseq, id, N, 0, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&other, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "another connection's arena");
   ck_assert_msg(memcmp(before, mem, SIZE) == 0, "a refused forward wrote into the arena");
   /* Nothing was appended: pos 0 is still the sequence's length, and a good forward works. */
-  ref_fwd_init(&x, seq, id, N, 0);
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "good forward");
+  da_raw_fwd_init(&x, seq, id, N, 0, QROW, KVROW, HQ * 4);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "good forward");
   size_t o_at = (size_t)N * (QROW + 2 * KVROW), end = o_at + (size_t)N * (QROW + HQ * 4);
   ck_assert_msg(memcmp(before, mem, o_at) == 0 && memcmp(before + end, mem + end, SIZE - end) == 0,
                 "the daemon wrote outside o and lse");
@@ -367,23 +278,23 @@ START_TEST(bad_references_and_arenas_get_their_codes_and_write_nothing) {
   ua.arena = id;
   rq.op_case = DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA;
   rq.unregister_arena = &ua;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "unregister");
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unregister twice");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "unregister");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "unregister twice");
   x.fs.pos = N;
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "released arena");
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "released arena");
   /* Arenas over the size limit or of size 0. */
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
   rq = (Detattn__V1__Request)DETATTN__V1__REQUEST__INIT;
   rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
   rq.register_arena = &ra;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 0 bytes");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 0 bytes");
   ra.size = 1ull << 50;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 1 PiB");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "arena of 1 PiB");
   munmap(mem, SIZE);
   close(fd);
   free(before);
-  nng_close(other.sock);
-  nng_close(r.sock);
+  da_raw_close(&other);
+  da_raw_close(&r);
   detattn_client *c = connect_plane(DETATTN_PLANE_COPY);
   for (int i = 0; i < 100 && stats_of(c).arenas > 0; i++) da_test_sleep_ms(20);
   ck_assert_uint_eq(stats_of(c).arenas, 0);
@@ -532,8 +443,8 @@ START_TEST(the_cuda_plane_is_refused_clearly_by_a_daemon_without_it) {
   ck_assert_msg(strstr(detattn_errmsg(), "no cuda plane") != NULL, "message: %s", detattn_errmsg());
 
   /* Raw requests: RegisterCuda, and a Forward naming an event nobody registered. */
-  raw r;
-  raw_open(&r);
+  da_raw r;
+  da_raw_open(&r, D.url);
   char msg[256];
   uint8_t handle[64] = {1};
   Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
@@ -542,26 +453,26 @@ START_TEST(the_cuda_plane_is_refused_clearly_by_a_daemon_without_it) {
   rc.size = 4096;
   rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_CUDA;
   rq.register_cuda = &rc;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "register_cuda on a CPU daemon");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "register_cuda on a CPU daemon");
   rc.handle.len = 0;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "register_cuda without a handle");
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "register_cuda without a handle");
   uint64_t token;
   uint32_t arena = raw_register(&r, 1 << 20, &token);
   int fd = make_memfd(1 << 20, 1);
   ck_assert_int_eq(handover(fd, arena, token), 0);
   close(fd);
-  uint64_t rseq = raw_seq_open(&r);
-  ref_fwd x;
-  ref_fwd_init(&x, rseq, arena, 2, 0);
+  uint64_t rseq = da_raw_seq_open(&r);
+  da_raw_fwd x;
+  da_raw_fwd_init(&x, rseq, arena, 2, 0, QROW, KVROW, HQ * 4);
   x.f.wait_event = 77;
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward with an unknown wait_event");
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward with an unknown wait_event");
   x.f.wait_event = 0;
   x.f.signal_event = arena; /* an arena is not an event */
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward signalling an arena");
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_NOT_FOUND, "forward signalling an arena");
   /* Nothing was appended: the same Forward at pos 0 still succeeds. */
   x.f.signal_event = 0;
-  expect(raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "forward after the refusals");
-  nng_close(r.sock);
+  da_raw_expect(da_raw_call(&r, &x.rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "forward after the refusals");
+  da_raw_close(&r);
   detattn_close(c);
 }
 END_TEST

@@ -1,0 +1,45 @@
+/*
+ * raw_client.h — protobuf requests sent by hand over nng, for tests that must say what
+ * libdetattn never would (hostile references, events, handles). Check assertions inside:
+ * call from a test body.
+ */
+#ifndef DA_RAW_CLIENT_H
+#define DA_RAW_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <nng/nng.h>
+
+#include "detattn.pb-c.h"
+
+typedef struct da_raw {
+  nng_socket sock;
+  uint64_t next_id;
+} da_raw;
+
+/* A req0 socket (no resend, 10 s receive timeout) dialled to url. */
+void da_raw_open(da_raw *r, const char *url);
+void da_raw_close(da_raw *r);
+/* Sends rq and returns the reply's status code, its message in msg; the decoded reply in
+ * *out (free with detattn__v1__response__free_unpacked(*out, NULL)) when out is not NULL. */
+int da_raw_call(da_raw *r, Detattn__V1__Request *rq, char *msg, size_t len, Detattn__V1__Response **out);
+/* Asserts a status (and, for an error, a non-empty message). */
+void da_raw_expect(int got, const char *msg, int want, const char *what);
+/* SeqOpen: the new sequence. */
+uint64_t da_raw_seq_open(da_raw *r);
+
+/* A one-sequence Forward of n tokens at pos 0 with every tensor (q, k, v, o, lse) by
+ * reference into region, packed from offset base on. */
+typedef struct da_raw_fwd {
+  Detattn__V1__TensorRef ref[5];
+  Detattn__V1__ForwardSeq fs;
+  Detattn__V1__ForwardSeq *fsp;
+  Detattn__V1__Forward f;
+  Detattn__V1__Request rq;
+} da_raw_fwd;
+
+void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64_t base, uint64_t q_row,
+                     uint64_t kv_row, uint64_t lse_row);
+
+#endif /* DA_RAW_CLIENT_H */
