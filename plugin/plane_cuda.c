@@ -259,7 +259,12 @@ static int event_register(detattn_client *c, void *ev, uint32_t *id) {
   unsigned char h[CU_IPC_HANDLE_SIZE];
   CUresult r = cu.ipc_get_event_handle(h, ev);
   if (r != 0) return da_err(DETATTN_INTERNAL, "cuda plane: cuIpcGetEventHandle: %s", cu_str(r));
-  return da_ops_register_cuda(c, 1, h, sizeof h, 0, id);
+  int st = da_ops_register_cuda(c, 1, h, sizeof h, 0, id);
+  if (st == DETATTN_RESOURCE_EXHAUSTED && c->cuda.n_bufs > 0) {
+    evict(c, c->cuda.n_bufs / 2); /* the daemon's region limit: make room, once */
+    st = da_ops_register_cuda(c, 1, h, sizeof h, 0, id);
+  }
+  return st;
 }
 
 int da_cuda_events_take(detattn_client *c, void *stream, da_cuda_evp **out) {

@@ -89,7 +89,7 @@ static const setting table[] = {
      "on SIGTERM, the daemon exits within this many ms (plus 2 s to close) even if work is still running"},
     {"max-arena-bytes", T_I64, F(max_arena_bytes), 4096, 1LL << 40, NULL, "4294967296",
      "shared-memory plane: largest arena a client may register"},
-    {"max-arenas", T_INT, F(max_arenas), 0, 1024, NULL, "16",
+    {"max-arenas", T_INT, F(max_arenas), 0, 1024, NULL, "64",
      "shared-memory plane: arenas per connection (with the cuda plane: arenas, CUDA buffers and events); 0: "
      "no shared-memory or cuda plane"},
     {"cuda-event-timeout-ms", T_INT, F(cuda_event_timeout_ms), 1, 1 << 30, NULL, "10000",

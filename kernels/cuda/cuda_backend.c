@@ -371,7 +371,8 @@ typedef struct plan {
   int64_t inrow_rows, partial_rows;
   int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
   int64_t gseg_max, sseg_max; /* their largest segment, bytes */
-  int host_out;             /* some outputs go to host memory (a D2H of the output buffer) */
+  int host_in, host_out;    /* some inputs come from / outputs go to host memory (copied with the
+                               staging buffers; device-address tensors need only the metadata) */
   unsigned char *partial; /* per attn: 1 when run as partials */
   size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_gseg, off_sseg, off_q, off_kvin, in_bytes;
   size_t off_o, off_lse, out_bytes;
@@ -443,7 +444,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
       if (qb > pl->gseg_max) pl->gseg_max = qb;
       if (qb > pl->sseg_max) pl->sseg_max = qb;
     } else if (rows > 0) {
-      pl->host_out = 1;
+      pl->host_in = pl->host_out = 1;
     }
   }
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
@@ -470,6 +471,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
     pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
     if (a->n_tokens > pl->max_append_tokens) pl->max_append_tokens = a->n_tokens;
+    if (!a->dev && a->n_tokens > 0) pl->host_in = 1;
     if (a->dev && a->n_tokens > 0) {
       pl->n_gseg += 2;
       if (a->n_tokens * (int64_t)m->n_kv_heads * m->head_dim * 2 > pl->gseg_max)
@@ -669,7 +671,7 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
    * covers one whose submit failed midway. */
   CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[c->cur]), fail);
   pack(c, b, S, pl, h, d, c->d_out[c->cur]);
-  size_t h2d = bench ? pl->off_q : pl->in_bytes;
+  size_t h2d = bench || !pl->host_in ? pl->off_q : pl->in_bytes;
   CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
   CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
   CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);

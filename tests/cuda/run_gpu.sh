@@ -21,7 +21,7 @@ cmake --build build-gpu --target da_cuda -j16 > "$OUT/build.log" 2>&1 || { grep 
 t1=$(date +%s.%N)
 # Every target a gpu-labelled test runs (those present in this tree).
 tgts=""
-for t in test_cuda test_backend_async detattnd detattn_cli; do
+for t in test_cuda test_backend_async test_cuda_plane test_tp detattnd detattn_cli; do
   ninja -C build-gpu -t targets all 2>/dev/null | grep -q "^$t:" && tgts="$tgts $t"
 done
 cmake --build build-gpu --target $tgts -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
