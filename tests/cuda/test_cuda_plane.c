@@ -55,7 +55,10 @@ static void setup(void) {
   if (da_daemon_start(&D, DETATTND_PATH, daemon_args) != 0) ck_abort_msg("detattnd --backend cuda did not start");
 }
 
-static void teardown(void) { da_daemon_stop(&D); }
+static void teardown(void) {
+  da_daemon_dump_log(&D); /* GPU runs are few: every run's log is worth reading */
+  da_daemon_stop(&D);
+}
 
 static detattn_client *connect_plane(detattn_data_plane p) {
   detattn_connect_opts o;
