@@ -61,6 +61,7 @@ typedef struct da_cuda_buf {
 
 typedef struct da_cuda_evp {
   void *ready, *done;        /* CUevents (interprocess, no timing) */
+  void *ctx;                 /* the CUcontext they were made in */
   uint32_t ready_id, done_id;
   uint64_t gen;
   struct da_cuda_evp *next;
@@ -76,6 +77,8 @@ typedef struct da_cuda_state {
 /* The allocations one call being built references (indices into bufs). */
 typedef struct da_cuda_use {
   uint64_t gen;
+  void *ctx;  /* the first tensor's CUcontext; made current here if the thread had none */
+  int pushed;
   size_t *at;
   size_t n, cap;
 } da_cuda_use;
@@ -92,8 +95,9 @@ int da_cuda_ref(detattn_client *c, const void *p, size_t len, const char *what, 
 int da_cuda_use_ids(detattn_client *c, const da_cuda_use *use, uint32_t **ids, size_t *n);
 void da_cuda_use_release(detattn_client *c, da_cuda_use *use);
 void da_cuda_use_fini(da_cuda_use *use);
-/* An event pair for one call (plane_mu held), its "ready" event recorded on stream. */
-int da_cuda_events_take(detattn_client *c, void *stream, da_cuda_evp **out);
+/* An event pair for one call (plane_mu held, between da_cuda_begin and da_cuda_use_fini),
+ * its "ready" event recorded on stream; new events are made in ctx. */
+int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp **out);
 /* A CUDA call ended with status (takes plane_mu): on OK the caller's stream waits for the
  * "done" event; the call's allocations are unpinned and its events pooled or retired. */
 void da_cuda_call_end(detattn_client *c, detattn_call *k, int status);
@@ -141,6 +145,7 @@ struct detattn_call {
   size_t n_scratch;
   /* CUDA plane calls: the caller's stream, the call's event pair, the region ids it uses. */
   void *cu_stream;
+  int cu_signal; /* the daemon records cu_evp->done; the stream waits for it */
   da_cuda_evp *cu_evp;
   uint32_t *cu_bufs;
   size_t n_cu_bufs;

@@ -24,6 +24,7 @@
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 enum {
+  CU_POINTER_ATTRIBUTE_CONTEXT = 1,
   CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
   CU_POINTER_ATTRIBUTE_BUFFER_ID = 7,
   CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
@@ -48,6 +49,9 @@ static struct {
   CUresult (*event_destroy)(void *ev);
   CUresult (*event_record)(void *ev, void *stream);
   CUresult (*stream_wait_event)(void *stream, void *ev, unsigned flags);
+  CUresult (*ctx_get_current)(void **ctx);
+  CUresult (*ctx_push)(void *ctx);
+  CUresult (*ctx_pop)(void **ctx);
 } cu = {.once = PTHREAD_ONCE_INIT};
 
 static void load(void) {
@@ -69,6 +73,9 @@ static void load(void) {
       {"cuEventDestroy_v2", (void **)&cu.event_destroy},
       {"cuEventRecord", (void **)&cu.event_record},
       {"cuStreamWaitEvent", (void **)&cu.stream_wait_event},
+      {"cuCtxGetCurrent", (void **)&cu.ctx_get_current},
+      {"cuCtxPushCurrent_v2", (void **)&cu.ctx_push},
+      {"cuCtxPopCurrent_v2", (void **)&cu.ctx_pop},
   };
   for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
     *syms[i].fn = dlsym(h, syms[i].name);
@@ -89,6 +96,19 @@ static const char *cu_str(CUresult r) {
   const char *s = NULL;
   if (cu.get_error_string && cu.get_error_string(r, &s) == 0 && s) return s;
   return "unknown CUDA error";
+}
+
+/* Makes ctx current on this thread when the thread has none (a thread that never called
+ * the CUDA runtime, say); 1 when it pushed (pop with ctx_leave). */
+static int ctx_enter(void *ctx) {
+  void *cur = NULL;
+  if (!ctx || (cu.ctx_get_current(&cur) == 0 && cur != NULL)) return 0;
+  return cu.ctx_push(ctx) == 0;
+}
+
+static void ctx_leave(int pushed) {
+  void *x;
+  if (pushed) (void)cu.ctx_pop(&x);
 }
 
 static uint64_t conn_gen(detattn_client *c) {
@@ -177,11 +197,12 @@ int da_cuda_ref(detattn_client *c, const void *p, size_t len, const char *what, 
   CUdeviceptr base = 0;
   size_t size = 0;
   unsigned long long buffer_id = 0;
+  void *ctx = NULL;
   int attrs[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
                  CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
-  void *data[] = {&mem_type, &base, &size, &buffer_id, &ipc_ok};
-  CUresult r = cu.pointer_get_attributes(5, attrs, data, x);
+                 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, CU_POINTER_ATTRIBUTE_CONTEXT};
+  void *data[] = {&mem_type, &base, &size, &buffer_id, &ipc_ok, &ctx};
+  CUresult r = cu.pointer_get_attributes(6, attrs, data, x);
   if (r != 0 || mem_type != CU_MEMORYTYPE_DEVICE)
     return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: item %zu: %s is not device memory%s%s", item, what,
                   r ? ": " : "", r ? cu_str(r) : "");
@@ -194,6 +215,10 @@ int da_cuda_ref(detattn_client *c, const void *p, size_t len, const char *what, 
                   "forward_cuda: item %zu: %s is in memory that cannot be shared by CUDA IPC (allocations of the "
                   "virtual memory API, e.g. torch's expandable segments, are not supported)",
                   item, what);
+  if (!use->ctx) { /* the first tensor's context: registration and events run in it */
+    use->ctx = ctx;
+    use->pushed = ctx_enter(ctx);
+  }
   size_t at = SIZE_MAX;
   for (size_t i = 0; i < s->n_bufs && at == SIZE_MAX; i++) {
     da_cuda_buf *b = &s->bufs[i];
@@ -243,6 +268,7 @@ void da_cuda_use_release(detattn_client *c, da_cuda_use *use) {
 }
 
 void da_cuda_use_fini(da_cuda_use *use) {
+  ctx_leave(use->pushed);
   free(use->at);
   memset(use, 0, sizeof *use);
 }
@@ -250,8 +276,10 @@ void da_cuda_use_fini(da_cuda_use *use) {
 /* ---- events ---- */
 
 static void evp_destroy(da_cuda_evp *e) {
+  int pushed = ctx_enter(e->ctx);
   if (e->ready) cu.event_destroy(e->ready);
   if (e->done) cu.event_destroy(e->done);
+  ctx_leave(pushed);
   free(e);
 }
 
@@ -267,7 +295,7 @@ static int event_register(detattn_client *c, void *ev, uint32_t *id) {
   return st;
 }
 
-int da_cuda_events_take(detattn_client *c, void *stream, da_cuda_evp **out) {
+int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp **out) {
   da_cuda_state *s = &c->cuda;
   const uint64_t gen = conn_gen(c);
   da_cuda_evp *e = s->free_evps;
@@ -277,6 +305,7 @@ int da_cuda_events_take(detattn_client *c, void *stream, da_cuda_evp **out) {
   } else {
     e = calloc(1, sizeof *e);
     if (!e) return da_err(DETATTN_RESOURCE_EXHAUSTED, "forward_cuda: out of memory");
+    e->ctx = ctx;
     CUresult r = cu.event_create(&e->ready, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
     if (r == 0) r = cu.event_create(&e->done, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
     if (r != 0) {
@@ -315,8 +344,9 @@ void da_cuda_call_end(detattn_client *c, detattn_call *k, int status) {
         break;
       }
   da_cuda_evp *e = k->cu_evp;
+  int pushed = ctx_enter(e ? e->ctx : NULL);
   if (e) {
-    if (status == DETATTN_OK) {
+    if (status == DETATTN_OK && k->cu_signal) {
       /* Later work on the caller's stream runs after the daemon wrote the outputs. */
       (void)cu.stream_wait_event(k->cu_stream, e->done, 0);
     }
@@ -332,6 +362,7 @@ void da_cuda_call_end(detattn_client *c, detattn_call *k, int status) {
       evp_destroy(e);
     }
   }
+  ctx_leave(pushed);
   pthread_mutex_unlock(&c->plane_mu);
   free(k->cu_bufs);
   k->cu_bufs = NULL;

@@ -64,6 +64,7 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
   for (int op = 0; op < DA_OP_COUNT; op++) da_metrics_hist_fill(&s->op_seconds[op], &d->op_ns[op], DA_METRICS_TIME);
   da_metrics_hist_fill(&s->queue_seconds, &d->queue_ns, DA_METRICS_TIME);
   da_metrics_hist_fill(&s->batch_run_seconds, &d->batch_run_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->cuda_event_wait_seconds, &d->cuda_wait_ns, DA_METRICS_TIME);
   da_metrics_hist_fill(&s->batch_tokens, &d->batch_tokens, DA_METRICS_SIZE);
   da_metrics_hist_fill(&s->batch_requests, &d->batch_requests, DA_METRICS_SIZE);
   s->batches = d->batches;

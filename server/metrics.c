@@ -132,6 +132,9 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
   hist(&b, "detattn_queue_seconds", "", &s->queue_seconds);
   head(&b, "detattn_batch_run_seconds", "histogram", "Time a batch spends in the backend (staging, kernels, copy-back).");
   hist(&b, "detattn_batch_run_seconds", "", &s->batch_run_seconds);
+  head(&b, "detattn_cuda_event_wait_seconds", "histogram",
+       "cuda plane: time from a Forward's receipt until its client's inputs-ready event had completed.");
+  hist(&b, "detattn_cuda_event_wait_seconds", "", &s->cuda_event_wait_seconds);
   head(&b, "detattn_batch_tokens", "histogram", "Appended + query tokens per batch.");
   hist(&b, "detattn_batch_tokens", "", &s->batch_tokens);
   head(&b, "detattn_batch_requests", "histogram", "Requests with work in a batch.");

@@ -330,6 +330,7 @@ static int wait_event(da_daemon *d, request *r, int *ready) {
     return 0;
   }
   r->wait_done = 1;
+  da_hist_record(&d->cuda_wait_ns, da_now_ns() - r->recv_ns);
   *ready = 1;
   return 0;
 }

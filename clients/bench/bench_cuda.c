@@ -102,6 +102,7 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 
 int da_bench_cuda(int argc, char **argv) {
   int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0;
+  shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--quick") == 0) quick = 1;
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
@@ -111,6 +112,10 @@ int da_bench_cuda(int argc, char **argv) {
       /* One decode case (for profilers): B L. */
       one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
       do_prefill = 0;
+    } else if (strcmp(argv[i], "--one-prefill") == 0 && i + 2 < argc) {
+      /* One causal prefill case of the 32/8-head d-128 model: B sequences of L tokens. */
+      one_prefill.B = atoi(argv[++i]), one_prefill.L = atoi(argv[++i]);
+      do_decode = 0;
     }
   }
   printf("kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops\n");
@@ -150,8 +155,9 @@ int da_bench_cuda(int argc, char **argv) {
     static const shape ps[] = {{"prefill", 8, 4096, 32, 32, 64},
                                {"prefill", 8, 4096, 32, 32, 128},
                                {"prefill", 2, 16384, 32, 32, 128}};
-    for (size_t i = 0; i < sizeof(ps) / sizeof(ps[0]); i++) {
-      const shape *s = &ps[i];
+    const size_t n_ps = one_prefill.B > 0 ? 1 : sizeof(ps) / sizeof(ps[0]);
+    for (size_t i = 0; i < n_ps; i++) {
+      const shape *s = one_prefill.B > 0 ? &one_prefill : &ps[i];
       if (quick && i > 0) break;
       const int64_t tokens = (int64_t)s->B * s->L;
       const size_t staging = (size_t)tokens * s->hq * s->d * 2 + (64u << 20);
