@@ -49,7 +49,7 @@ int da_arena_offset(const da_arena *a, const void *p, size_t len, uint64_t *off)
 int da_arena_handover(const da_arena *a, const char *path, uint32_t id, uint64_t token, int timeout_ms);
 
 /* The CUDA plane (plane_cuda.c), under client->plane_mu: allocations of this process
- * registered with the daemon (a region id each), and free interprocess event pairs. */
+ * registered with the daemon (a region id each), and free interprocess events. */
 typedef struct da_cuda_buf {
   uint64_t base, size, buffer_id; /* the allocation: base address, bytes, the driver's id */
   uint64_t gen;                   /* the connection generation it was registered on */
@@ -60,9 +60,9 @@ typedef struct da_cuda_buf {
 } da_cuda_buf;
 
 typedef struct da_cuda_evp {
-  void *ready, *done;        /* CUevents (interprocess, no timing) */
-  void *ctx;                 /* the CUcontext they were made in */
-  uint32_t ready_id, done_id;
+  void *ready;               /* a CUevent (interprocess, no timing): the call's inputs are ready */
+  void *ctx;                 /* the CUcontext it was made in */
+  uint32_t ready_id;
   uint64_t gen;
   struct da_cuda_evp *next;
 } da_cuda_evp;
@@ -95,11 +95,11 @@ int da_cuda_ref(detattn_client *c, const void *p, size_t len, const char *what, 
 int da_cuda_use_ids(detattn_client *c, const da_cuda_use *use, uint32_t **ids, size_t *n);
 void da_cuda_use_release(detattn_client *c, da_cuda_use *use);
 void da_cuda_use_fini(da_cuda_use *use);
-/* An event pair for one call (plane_mu held, between da_cuda_begin and da_cuda_use_fini),
- * its "ready" event recorded on stream; new events are made in ctx. */
+/* An event for one call (plane_mu held, between da_cuda_begin and da_cuda_use_fini),
+ * recorded on stream ("inputs ready"); new events are made in ctx. */
 int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp **out);
-/* A CUDA call ended with status (takes plane_mu): on OK the caller's stream waits for the
- * "done" event; the call's allocations are unpinned and its events pooled or retired. */
+/* A CUDA call ended with status (takes plane_mu): its allocations are unpinned and its
+ * event pooled or retired. */
 void da_cuda_call_end(detattn_client *c, detattn_call *k, int status);
 /* Frees the plane's state at detattn_close. */
 void da_cuda_client_fini(detattn_client *c);
@@ -145,7 +145,6 @@ struct detattn_call {
   size_t n_scratch;
   /* CUDA plane calls: the caller's stream, the call's event pair, the region ids it uses. */
   void *cu_stream;
-  int cu_signal; /* the daemon records cu_evp->done; the stream waits for it */
   da_cuda_evp *cu_evp;
   uint32_t *cu_bufs;
   size_t n_cu_bufs;

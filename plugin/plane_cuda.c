@@ -2,8 +2,9 @@
  * plane_cuda.c — libdetattn's CUDA plane: the CUDA driver API loaded at run time
  * (libcuda.so.1; libdetattn links no CUDA library), this process's device allocations
  * registered with the daemon once per connection by their CUDA IPC memory handles, and a
- * pool of interprocess event pairs ("inputs ready" recorded here, "done" recorded by the
- * daemon).
+ * pool of interprocess events ("inputs ready", recorded on the caller's stream; the daemon
+ * polls it before it admits the call, and answers once the outputs are written, so the
+ * caller's later work needs no event of the daemon's).
  *
  * A registration covers a whole allocation (cuMemAlloc/cudaMalloc; a tensor never spans
  * two), keyed by its base address and the driver's buffer id, so an allocation freed and
@@ -48,7 +49,6 @@ static struct {
   CUresult (*event_create)(void **ev, unsigned flags);
   CUresult (*event_destroy)(void *ev);
   CUresult (*event_record)(void *ev, void *stream);
-  CUresult (*stream_wait_event)(void *stream, void *ev, unsigned flags);
   CUresult (*ctx_get_current)(void **ctx);
   CUresult (*ctx_push)(void *ctx);
   CUresult (*ctx_pop)(void **ctx);
@@ -72,7 +72,6 @@ static void load(void) {
       {"cuEventCreate", (void **)&cu.event_create},
       {"cuEventDestroy_v2", (void **)&cu.event_destroy},
       {"cuEventRecord", (void **)&cu.event_record},
-      {"cuStreamWaitEvent", (void **)&cu.stream_wait_event},
       {"cuCtxGetCurrent", (void **)&cu.ctx_get_current},
       {"cuCtxPushCurrent_v2", (void **)&cu.ctx_push},
       {"cuCtxPopCurrent_v2", (void **)&cu.ctx_pop},
@@ -278,7 +277,6 @@ void da_cuda_use_fini(da_cuda_use *use) {
 static void evp_destroy(da_cuda_evp *e) {
   int pushed = ctx_enter(e->ctx);
   if (e->ready) cu.event_destroy(e->ready);
-  if (e->done) cu.event_destroy(e->done);
   ctx_leave(pushed);
   free(e);
 }
@@ -307,7 +305,6 @@ int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp 
     if (!e) return da_err(DETATTN_RESOURCE_EXHAUSTED, "forward_cuda: out of memory");
     e->ctx = ctx;
     CUresult r = cu.event_create(&e->ready, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
-    if (r == 0) r = cu.event_create(&e->done, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
     if (r != 0) {
       evp_destroy(e);
       return da_err(DETATTN_FAILED_PRECONDITION,
@@ -316,8 +313,7 @@ int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp 
     e->gen = gen + 1; /* registered below */
   }
   if (e->gen != gen) {
-    if ((st = event_register(c, e->ready, &e->ready_id)) != DETATTN_OK ||
-        (st = event_register(c, e->done, &e->done_id)) != DETATTN_OK) {
+    if ((st = event_register(c, e->ready, &e->ready_id)) != DETATTN_OK) {
       evp_destroy(e);
       return st;
     }
@@ -344,25 +340,18 @@ void da_cuda_call_end(detattn_client *c, detattn_call *k, int status) {
         break;
       }
   da_cuda_evp *e = k->cu_evp;
-  int pushed = ctx_enter(e ? e->ctx : NULL);
   if (e) {
-    if (status == DETATTN_OK && k->cu_signal) {
-      /* Later work on the caller's stream runs after the daemon wrote the outputs. */
-      (void)cu.stream_wait_event(k->cu_stream, e->done, 0);
-    }
     if (status == DETATTN_OK || status == DETATTN_INVALID_ARGUMENT || status == DETATTN_NOT_FOUND ||
         status == DETATTN_FAILED_PRECONDITION || status == DETATTN_RESOURCE_EXHAUSTED) {
       e->next = s->free_evps;
       s->free_evps = e;
     } else {
-      /* The daemon may still record "done" for this call (a timeout here, a device failure
-       * there): these events are never reused. */
+      /* The daemon may still be polling this call's event (a timeout here, say): it is
+       * never reused. */
       (void)da_ops_unregister(c, e->ready_id);
-      (void)da_ops_unregister(c, e->done_id);
       evp_destroy(e);
     }
   }
-  ctx_leave(pushed);
   pthread_mutex_unlock(&c->plane_mu);
   free(k->cu_bufs);
   k->cu_bufs = NULL;

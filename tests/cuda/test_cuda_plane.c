@@ -273,10 +273,26 @@ START_TEST(bad_handles_references_and_events_get_their_codes_and_write_nothing) 
   da_raw_fwd_init(&x, seq, id, 4, 0, QROW, KVROW, LROW);
   x.f.wait_event = id;
   raw_forward(&r, &x, DETATTN_NOT_FOUND, "a buffer named as the wait event");
-  /* Nothing was appended: the good Forward at pos 0, waiting on a recorded event. */
+  /* Nothing was appended: the good Forward at pos 0, waiting on a recorded event and asking
+   * for a second one to be recorded once its outputs are written. */
+  cudaEvent_t done;
+  CU(cudaEventCreateWithFlags(&done, cudaEventInterprocess | cudaEventDisableTiming));
+  cudaIpcEventHandle_t dh;
+  CU(cudaIpcGetEventHandle(&dh, done));
+  uint32_t did = raw_register_cuda(&r, 1, &dh, sizeof dh, 0, DETATTN_OK, "a second event handle");
+  cudaStream_t blocked;
+  CU(cudaStreamCreateWithFlags(&blocked, cudaStreamNonBlocking));
+  CU(cudaLaunchHostFunc(blocked, sleep_host, (void *)(uintptr_t)2000));
+  CU(cudaEventRecord(done, blocked)); /* pending for 2 s unless the daemon records it later */
   CU(cudaEventRecord(ev, 0));
   x.f.wait_event = eid;
+  x.f.signal_event = did;
   raw_forward(&r, &x, DETATTN_OK, "the good forward");
+  cudaError_t q = cudaEventQuery(done);
+  ck_assert_msg(q == cudaSuccess, "signal_event not recorded by the daemon: %s", cudaGetErrorString(q));
+  CU(cudaStreamSynchronize(blocked));
+  CU(cudaStreamDestroy(blocked));
+  CU(cudaEventDestroy(done));
 
   da_raw_close(&r);
   da_raw_close(&other);
