@@ -85,6 +85,11 @@ int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res) {
 const da_backend_info *da_backend_get_info(const da_backend *be) { return &be->info; }
 const da_backend_cfg *da_backend_get_cfg(const da_backend *be) { return &be->cfg; }
 
+int da_backend_poll(da_backend *be) {
+  if (be->ops->poll == NULL || be->ops->submit == NULL) return -1;
+  return be->n_inflight == 0 ? 1 : be->ops->poll(be->ctx);
+}
+
 int da_backend_has_device_memory(const da_backend *be) { return be->ops->map_host != NULL; }
 
 static int no_device_memory(const da_backend *be, char *err, size_t errlen) {

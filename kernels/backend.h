@@ -143,6 +143,11 @@ typedef struct da_backend_ops {
    * run() would have (DETATTN_INTERNAL or DETATTN_UNAVAILABLE with res->err on a device
    * failure). DETATTN_FAILED_PRECONDITION when nothing is in flight. */
   int (*finish)(void *ctx, da_batch_result *res);
+  /* Optional, with submit: 1 when the oldest submitted batch has completed on the device (or
+   * failed: finish then says how), so finish will not wait; 0 not yet. Never blocks; the
+   * thread that submits. With poll a caller may submit with ready NULL and poll instead of
+   * waiting for the notification (which costs the device a host callback per batch). */
+  int (*poll)(void *ctx);
   /* Optional (device backends): memory and events of other processes for the data planes,
    * any thread. map_host pins n bytes of host memory at p (page-aligned) for the device and
    * gives its device address; map_ipc opens a CUDA IPC memory handle of at least size
@@ -187,6 +192,8 @@ int da_backend_inflight(const da_backend *be);
  * backend has submit/finish); otherwise submitting ahead only queues it. */
 int da_backend_overlaps(const da_backend *be);
 const da_backend_info *da_backend_get_info(const da_backend *be);
+/* The backend's poll op: 1 (also with nothing in flight), 0 not yet; -1 when it has none. */
+int da_backend_poll(da_backend *be);
 /* The optional ops above; DETATTN_UNIMPLEMENTED (err set) where the backend has none. */
 int da_backend_has_device_memory(const da_backend *be);
 int da_backend_map_host(da_backend *be, void *p, size_t n, void **dev, char *err, size_t errlen);

@@ -779,6 +779,15 @@ out:
   return rv;
 }
 
+static int poll(void *ctx) {
+  cuda_ctx *c = ctx;
+  if (c->fl_n == 0) return 1;
+  cudaError_t e = cudaEventQuery(c->ev_done[c->fl[c->fl_head].set]);
+  if (e == cudaErrorNotReady) return 0;
+  if (e != cudaSuccess) (void)cudaGetLastError(); /* finish reports it */
+  return 1;
+}
+
 static int finish(void *ctx, da_batch_result *res) {
   cuda_ctx *c = ctx;
   char *err = res->err;
@@ -1016,6 +1025,7 @@ const da_backend_ops da_cuda_backend_ops = {
     .run = run,
     .submit = submit,
     .finish = finish,
+    .poll = poll,
     .map_host = map_host,
     .unmap_host = unmap_host,
     .map_ipc = map_ipc,
