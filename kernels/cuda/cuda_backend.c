@@ -37,7 +37,7 @@
 typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
-  int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu (DA_CUDA_PREFILL=wgmma) */
+  int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no, 1 serial, 2 overlapped */
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
@@ -219,7 +219,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
 #ifdef DA_CUDA_HAVE_SM90A
   {
     const char *pf = getenv("DA_CUDA_PREFILL");
-    c->sm90_prefill = pf != NULL && strcmp(pf, "wgmma") == 0 && prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim);
+    if (pf != NULL && prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim))
+      c->sm90_prefill = strcmp(pf, "wgmma") == 0 ? 2 : strcmp(pf, "wgmma-serial") == 0 ? 1 : 0;
   }
 #endif
   c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS : DA_CU_BLOCK_ROWS;
@@ -663,7 +664,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
 static int attn_launch(cuda_ctx *c) {
 #ifdef DA_CUDA_HAVE_SM90A
   if (c->sm90_prefill) {
-    int e = da_cuda_prefill_sm90(&c->args, c->stream);
+    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill == 2, c->stream);
     if (e != 0) return e;
     da_cu_args d = c->args;
     d.items += d.n_items - d.n_split_items;

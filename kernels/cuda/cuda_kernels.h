@@ -95,10 +95,11 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
  * da_cuda_attn for the items before the last n_split_items, on wgmma fed by TMA, with items
  * of DA_CU_SM90_BLOCK_ROWS rows (the backend plans them so); the decode items are left to
  * da_cuda_attn. Same per-row arithmetic; equal bits iff wgmma and mma.sync give equal fp32
- * bits (tests/cuda/test_mma_bits.cu). Not the default: the backend runs it when
- * DA_CUDA_PREFILL=wgmma at create. */
+ * bits (tests/cuda/test_mma_bits.cu). overlap != 0: the next tile's S is issued before this
+ * tile's softmax (same bits). Not the default: the backend runs it when DA_CUDA_PREFILL is
+ * wgmma (overlap) or wgmma-serial at create. */
 #define DA_CU_SM90_HEAD_DIM_OK(d) ((d) == 64 || (d) == 128)
-int da_cuda_prefill_sm90(const da_cu_args *a, cudaStream_t stream);
+int da_cuda_prefill_sm90(const da_cu_args *a, int overlap, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);
 /* append.cu: writes a->appends' K/V into the pool through their page tables. */

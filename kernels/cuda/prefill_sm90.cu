@@ -70,21 +70,25 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+/* A row of the block: valid, its position p and window start w0 (the rest is recomputed at
+ * split ends, to keep registers for the tiles). */
 struct row_info {
-  int valid, t, h, p, w0, jf, jl;
+  int valid, p, w0;
 };
 
-__device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_attn &at, int kvh, int r) {
+__device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_attn &at, int r) {
   const int G = a.n_q_heads / a.n_kv_heads;
   row_info ri;
   ri.valid = r < at.n_q * G;
-  ri.t = r / G;
-  ri.h = kvh * G + r % G;
-  ri.p = at.q_pos + ri.t;
+  ri.p = at.q_pos + r / G;
   ri.w0 = a.window > 0 ? max(0, ri.p - a.window + 1) : 0;
-  ri.jf = ri.w0 / a.split_tokens;
-  ri.jl = ri.p / a.split_tokens;
   return ri;
+}
+
+/* Output row (token * n_q_heads + q head) of block row r. */
+__device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) {
+  const int G = a.n_q_heads / a.n_kv_heads;
+  return (int64_t)(r / G) * a.n_q_heads + kvh * G + r % G;
 }
 
 /*
@@ -151,8 +155,9 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &a
   }
 }
 
-/* One consumer warpgroup: 64 rows of the item (cw = 0 or 1). */
-template <int D, bool BF16>
+/* One consumer warpgroup: 64 rows of the item (cw = 0 or 1). OVL: the next tile's S overlaps
+ * this tile's softmax (same arithmetic, same bits; only the issue order differs). */
+template <int D, bool BF16, bool OVL>
 __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &at, const da_cu_item &it, uint32_t base,
                                         unsigned char *smem_base, int cw, int kt_begin, int kt_end) {
   using L = layout<D>;
@@ -189,9 +194,10 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   const int my_begin = active ? max(w0_min / BN, it.j0 * tps) : kt_end + 1;
   const int my_end = active ? min(p_max / BN, it.j1 * tps - 1) : kt_begin - 1;
 
+  const int r0 = wr0 + warp * 16 + g; /* this thread's rows: r0 and r0 + 8 */
   row_info ri[2];
-  ri[0] = make_row(a, at, it.kv_head, wr0 + warp * 16 + g);
-  ri[1] = make_row(a, at, it.kv_head, wr0 + warp * 16 + g + 8);
+  ri[0] = make_row(a, at, r0);
+  ri[1] = make_row(a, at, r0 + 8);
   const bool partial = at.slot_base >= 0;
 
   float acc[NV][4];
@@ -203,129 +209,183 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
 #pragma unroll
   for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  int stage = 0;
-  uint32_t round = 0;
-  int j = kt_begin / tps, in_split = kt_begin - j * tps;
-  for (int kt = kt_begin; kt <= kt_end; kt++) {
-    mbar_wait(bar_full + 8 * stage, round & 1);
-    if (kt >= my_begin && kt <= my_end) {
-      if (kt == my_begin || in_split == 0) {
-        da_state_reset(st);
+  /* S of the tile in stage stg into s: issued, committed, not waited for. */
+  auto issue_s = [&](float (&s)[NTS][4], int stg) {
+    const uint32_t kb = base + L::OFF_K + stg * L::TILE_B;
 #pragma unroll
-        for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-      }
-      const uint32_t kb = base + L::OFF_K + stage * L::TILE_B, vb = base + L::OFF_V + stage * L::TILE_B;
-      float s[NTS][4];
+    for (int n = 0; n < NTS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    wg_fence();
 #pragma unroll
-      for (int n = 0; n < NTS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-      wg_fence();
+    for (int kk = 0; kk < D / 16; kk++) {
+      const uint32_t off = (kk >> 2) * 64 * 128 + (kk & 3) * 32;
+      wg_ss<64, BF16, 0>(s, desc_kmajor(qs + off), desc_kmajor(kb + off), 1);
+    }
+    wg_commit();
+  };
+  /* Scores, mask, the online-softmax update of tile kt from s, acc scaled, P V issued and
+   * committed (not waited for). */
+  auto softmax_pv = [&](float (&s)[NTS][4], int kt, int stg) {
+    /* A tile inside every row's key range needs no mask. */
+    const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
+    if (full) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; kk++) {
-        const uint32_t off = (kk >> 2) * 64 * 128 + (kk & 3) * 32;
-        wg_ss<64, BF16, 0>(s, desc_kmajor(qs + off), desc_kmajor(kb + off), 1);
-      }
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(s);
-
-      /* A tile inside every row's key range needs no mask. */
-      const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
-      if (full) {
+      for (int n = 0; n < NTS; n++)
 #pragma unroll
-        for (int n = 0; n < NTS; n++)
+        for (int e = 0; e < 4; e++) s[n][e] = da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2);
+    } else {
 #pragma unroll
-          for (int e = 0; e < 4; e++) s[n][e] = da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2);
-      } else {
+      for (int n = 0; n < NTS; n++) {
 #pragma unroll
-        for (int n = 0; n < NTS; n++) {
-#pragma unroll
-          for (int e = 0; e < 4; e++) {
-            const row_info &r = ri[e >> 1];
-            const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
-            const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
-            s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2) : -INFINITY;
-          }
-        }
-      }
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        float m_use;
-        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
-        da_exp_row<NTS>(s, r, m_use);
-        float parts[NTS];
-#pragma unroll
-        for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
-        da_l_update(st, r, alpha[r], parts);
-      }
-#pragma unroll
-      for (int n = 0; n < NV; n++) {
-        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-      }
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; kc++) {
-        pa[kc][0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-        pa[kc][1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-        pa[kc][2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[kc][3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
-      }
-      wg_fence();
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; kc++)
-        wg_rs<D, BF16, 1>(acc, pa[kc], desc_mnmajor(vb + kc * 16 * 128, 64 * 128), 1);
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(acc);
-
-      if (kt == my_end || in_split == tps - 1) {
-        /* Split j is complete for the warpgroup's rows: finalize and fold or write. */
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-          const row_info &w = ri[r];
-          if (!w.valid || j < w.jf || j > w.jl) continue;
-          const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
-          if (partial) {
-            const int64_t slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
-            float *dst = a.acc_o + slot * D + qd * 2;
-#pragma unroll
-            for (int n = 0; n < NV; n++) {
-              float2 v;
-              v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
-              v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
-              *reinterpret_cast<float2 *>(dst + n * 8) = v;
-            }
-            if (qd == 0) a.acc_lse[slot] = lse_j;
-          } else if (j == w.jf) {
-#pragma unroll
-            for (int n = 0; n < NV; n++) {
-              fold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
-              fold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
-            }
-            fold_lse[r] = lse_j;
-          } else {
-            const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
-#pragma unroll
-            for (int n = 0; n < NV; n++) {
-#pragma unroll
-              for (int e = 2 * r; e < 2 * r + 2; e++) {
-                float *f = &fold[(n * 4 + e) * 32];
-                *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], st.l[r]));
-              }
-            }
-            fold_lse[r] = mw.lse;
-          }
+        for (int e = 0; e < 4; e++) {
+          const row_info &r = ri[e >> 1];
+          const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
+          const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
+          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2) : -INFINITY;
         }
       }
     }
-    /* This warp is done with the stage (its wgmma reads completed at wg_wait). */
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float m_use;
+      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
+      da_exp_row<NTS>(s, r, m_use);
+      float parts[NTS];
+#pragma unroll
+      for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
+      da_l_update(st, r, alpha[r], parts);
+    }
+#pragma unroll
+    for (int n = 0; n < NV; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+      acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+      acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; kc++) {
+      pa[kc][0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+      pa[kc][1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+      pa[kc][2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      pa[kc][3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+    }
+    const uint32_t vb = base + L::OFF_V + stg * L::TILE_B;
+    wg_fence();
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; kc++) wg_rs<D, BF16, 1>(acc, pa[kc], desc_mnmajor(vb + kc * 16 * 128, 64 * 128), 1);
+    wg_commit();
+  };
+  /* Split j is complete for the warpgroup's rows: finalize and fold or write. */
+  auto finalize = [&](int j) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const row_info &w = ri[r];
+      const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
+      if (!w.valid || j < jf || j > jl) continue;
+      const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
+      if (partial) {
+        const int64_t slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
+        float *dst = a.acc_o + slot * D + qd * 2;
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+          float2 v;
+          v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
+          v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+          *reinterpret_cast<float2 *>(dst + n * 8) = v;
+        }
+        if (qd == 0) a.acc_lse[slot] = lse_j;
+      } else if (j == jf) {
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+          fold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
+          fold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+        }
+        fold_lse[r] = lse_j;
+      } else {
+        const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; e++) {
+            float *f = &fold[(n * 4 + e) * 32];
+            *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], st.l[r]));
+          }
+        }
+        fold_lse[r] = mw.lse;
+      }
+    }
+  };
+  auto reset = [&]() {
+    da_state_reset(st);
+#pragma unroll
+    for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  };
+
+  /* Tile kt's position: its stage and phase, its split j and its index inside the split. */
+  int kt = kt_begin, stage = 0, j = kt_begin / tps, in_split = kt_begin - j * tps;
+  uint32_t round = 0;
+  auto release = [&]() { /* this warp is done with tile kt's stage; on to tile kt + 1 */
     __syncwarp();
     if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
     if (++stage == L::NST) stage = 0, round++;
     if (++in_split == tps) in_split = 0, j++;
+    kt++;
+  };
+  float sa[NTS][4], sb[NTS][4];
+  if constexpr (!OVL) {
+    for (; kt <= kt_end;) {
+      mbar_wait(bar_full + 8 * stage, round & 1);
+      if (kt >= my_begin && kt <= my_end) {
+        if (kt == my_begin || in_split == 0) reset();
+        issue_s(sa, stage);
+        wg_wait<0>();
+        reg_fence(sa);
+        softmax_pv(sa, kt, stage);
+        wg_wait<0>();
+        reg_fence(acc);
+        if (kt == my_end || in_split == tps - 1) finalize(j);
+      }
+      release();
+    }
+  } else {
+    /* The next tile's S is issued before this tile's softmax, so the tensor cores work on
+     * it while this warpgroup runs the softmax; sa and sb take turns. */
+    for (; kt < my_begin && kt <= kt_end;) {
+      mbar_wait(bar_full + 8 * stage, round & 1);
+      release();
+    }
+    if (kt <= my_end) {
+      mbar_wait(bar_full + 8 * stage, round & 1);
+      issue_s(sa, stage);
+      wg_wait<0>();
+      reg_fence(sa);
+      /* sc holds S of tile kt; returns true after the last tile of the range. */
+      auto step = [&](float (&sc)[NTS][4], float (&sn)[NTS][4]) -> bool {
+        const bool next = kt < my_end;
+        if (next) {
+          const int ns = stage + 1 == L::NST ? 0 : stage + 1;
+          mbar_wait(bar_full + 8 * ns, (ns == 0 ? round + 1 : round) & 1);
+          issue_s(sn, ns);
+        }
+        if (kt == my_begin || in_split == 0) reset();
+        softmax_pv(sc, kt, stage);
+        wg_wait<0>();
+        reg_fence(acc);
+        reg_fence(sn);
+        if (kt == my_end || in_split == tps - 1) finalize(j);
+        release();
+        return !next;
+      };
+      for (;;) {
+        if (step(sa, sb)) break;
+        if (step(sb, sa)) break;
+      }
+    }
+    for (; kt <= kt_end;) {
+      mbar_wait(bar_full + 8 * stage, round & 1);
+      release();
+    }
   }
 
   if (partial || !active) return;
@@ -333,7 +393,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   for (int r = 0; r < 2; r++) {
     const row_info &w = ri[r];
     if (!w.valid) continue;
-    const int64_t row = (int64_t)w.t * a.n_q_heads + w.h;
+    const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
     uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
 #pragma unroll
     for (int n = 0; n < NV; n++) dst[n * 4] = pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
@@ -341,7 +401,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   }
 }
 
-template <int D, bool BF16>
+template <int D, bool BF16, bool OVL>
 __global__ void __launch_bounds__(NTHREADS, 1) prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm) {
   using L = layout<D>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -377,7 +437,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) prefill_kernel(const da_cu_args a
     if (threadIdx.x < 32) produce<D>(a, at, it, &tm, base, kt_begin, kt_end, w0_min, p_max);
   } else {
     regs_inc<232>();
-    consume<D, BF16>(a, at, it, base, smem_base, threadIdx.x / 128 - 1, kt_begin, kt_end);
+    consume<D, BF16, OVL>(a, at, it, base, smem_base, threadIdx.x / 128 - 1, kt_begin, kt_end);
   }
 }
 
@@ -397,7 +457,7 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, bool BF16>
+template <int D, bool BF16, bool OVL>
 cudaError_t launch(const da_cu_args *a, int n, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
@@ -421,24 +481,28 @@ cudaError_t launch(const da_cu_args *a, int n, cudaStream_t stream) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
+    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, OVL>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16><<<n, NTHREADS, L::BYTES, stream>>>(*a, tm);
+  prefill_kernel<D, BF16, OVL><<<n, NTHREADS, L::BYTES, stream>>>(*a, tm);
   return cudaGetLastError();
 }
 
 } // namespace
 
-extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, cudaStream_t stream) {
+extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int overlap, cudaStream_t stream) {
   const int n = a->n_items - a->n_split_items;
   if (n <= 0) return 0;
-  switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
-  case 64 * 2 + 1: return (int)launch<64, true>(a, n, stream);
-  case 64 * 2: return (int)launch<64, false>(a, n, stream);
-  case 128 * 2 + 1: return (int)launch<128, true>(a, n, stream);
-  case 128 * 2: return (int)launch<128, false>(a, n, stream);
+  switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (overlap ? 1 : 0)) {
+  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, stream);
+  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, stream);
+  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, stream);
+  case 64 * 4: return (int)launch<64, false, false>(a, n, stream);
+  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, stream);
+  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, stream);
+  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, stream);
+  case 128 * 4: return (int)launch<128, false, false>(a, n, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

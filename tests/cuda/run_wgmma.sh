@@ -3,9 +3,10 @@
 # one command, logs under $OUT, a short table last.
 # Usage: bash tests/cuda/run_wgmma.sh [bits|test|bench|all|memcheck|profile]
 #   bits      test_mma_bits: wgmma vs mma.sync fp32 bits (the question everything rests on)
-#   test      test_wgmma (both prefill paths bit for bit, fp64 accuracy), then the existing
-#             cuda_backend suite (test_cuda) twice: default path, and DA_CUDA_PREFILL=wgmma
-#   bench     detattn-bench --prefill-only on both paths, SDPA flash and cuDNN, one table
+#   test      test_wgmma (mma.sync vs both wgmma variants bit for bit, fp64 accuracy), then
+#             the existing cuda_backend suite (test_cuda) twice: default, DA_CUDA_PREFILL=wgmma
+#   bench     detattn-bench --prefill-only on mma.sync, wgmma-serial and wgmma, SDPA flash and
+#             cuDNN, one table
 #   all       bits, test, bench (under 5 minutes with the build)
 #   memcheck  compute-sanitizer memcheck of test_wgmma's accuracy case
 #   profile   ncu sections of one wgmma prefill launch (B 8 L 4k d 64)
@@ -99,12 +100,16 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench_mma 150 $BENCH
   mv "$LOGS/bench_mma.txt" "$LOGS/bench_mma.log"
   grep -E "^kind|^prefill" "$LOGS/bench_mma.log" > "$LOGS/mma.csv"
+  step bench_serial 150 env DA_CUDA_PREFILL=wgmma-serial $BENCH
+  mv "$LOGS/bench_serial.txt" "$LOGS/bench_serial.log"
+  grep -E "^kind|^prefill" "$LOGS/bench_serial.log" > "$LOGS/serial.csv"
   step bench_wgmma 150 env DA_CUDA_PREFILL=wgmma $BENCH
   mv "$LOGS/bench_wgmma.txt" "$LOGS/bench_wgmma.log"
   grep -E "^kind|^prefill" "$LOGS/bench_wgmma.log" > "$LOGS/wgmma.csv"
-  grep -h "prefill path" "$LOGS/bench_mma.log" "$LOGS/bench_wgmma.log" | sort | uniq -c | tee -a "$SUM"
+  grep -h "prefill path" "$LOGS"/bench_*.log | sed 's/.*prefill path/prefill path/' | sort | uniq -c | tee -a "$SUM"
   step peers 200 python3 clients/bench/sdpa_peer.py --prefill-only --csv "$LOGS/peers.csv"
-  python3 tests/cuda/wgmma_table.py "$LOGS/mma.csv" "$LOGS/wgmma.csv" "$LOGS/peers.csv" > "$LOGS/table.md"
+  python3 tests/cuda/wgmma_table.py "$LOGS/mma.csv" "$LOGS/serial.csv" "$LOGS/wgmma.csv" "$LOGS/peers.csv" \
+    > "$LOGS/table.md"
 fi
 echo "---- summary (logs: $OUT/logs.tgz) ----"
 cat "$SUM"
