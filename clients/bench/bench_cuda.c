@@ -37,8 +37,9 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
     fprintf(stderr, "bench cuda: create: %s\n", err);
     return rv;
   }
-  fprintf(stderr, "bench cuda: %s, KV %.1f GiB, acc %.0f MiB, staging %.0f MiB\n", info.arch,
-          info.kv_bytes / 1073741824.0, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0);
+  fprintf(stderr, "bench cuda: %s, KV %.1f GiB, acc %.0f MiB, staging %.0f MiB, prefill path %s\n", info.arch,
+          info.kv_bytes / 1073741824.0, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0,
+          da_cuda_prefill_path(*ctx) ? "wgmma (prefill_sm90.cu)" : "mma.sync (attn.cu)");
   return da_cuda_bench_fill_kv(*ctx, 42);
 }
 

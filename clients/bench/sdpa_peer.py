@@ -4,7 +4,7 @@ user calls them) on the shapes of `detattn-bench --backend cuda`, checks whether
 batch-invariant on them (a row computed alone vs inside the batch, bitwise), and prints a
 side-by-side table with detattn's numbers when given --ours (the CSV the bench printed).
 
-Usage: python3 clients/bench/sdpa_peer.py [--quick] [--ours ours.csv] [--csv peers.csv]
+Usage: python3 clients/bench/sdpa_peer.py [--quick] [--prefill-only] [--ours ours.csv] [--csv peers.csv]
 """
 import argparse
 import csv
@@ -68,9 +68,9 @@ def run_peer(backend, q, k, v, causal, iters):
     return None, last, None
 
 
-def cases(quick):
+def cases(quick, prefill_only=False):
     out = []
-    for b in DECODE_B:
+    for b in [] if prefill_only else DECODE_B:
         for length in DECODE_L:
             if quick and b > 8:
                 continue
@@ -86,6 +86,7 @@ def cases(quick):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true", help="time the prefill shapes only")
     ap.add_argument("--ours", help="CSV printed by detattn-bench --backend cuda")
     ap.add_argument("--csv", help="write the peer rows here")
     args = ap.parse_args()
@@ -93,7 +94,7 @@ def main():
     dev = torch.cuda.get_device_name()
     free = torch.cuda.mem_get_info()[0]
     rows = []
-    for kind, b, length, hq, hkv, d, causal, nq in cases(args.quick):
+    for kind, b, length, hq, hkv, d, causal, nq in cases(args.quick, args.prefill_only):
         kv_bytes = b * length * hkv * d * 2 * 2
         if 2.5 * kv_bytes > free:
             for name in PEERS:

@@ -37,6 +37,8 @@
 typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
+  int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no, 1 serial, 2 overlapped */
+  int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -73,6 +75,17 @@ static int sticky(cudaError_t e) {
   default:
     return 0;
   }
+}
+
+/* The devices this build has kernels for (CMAKE_CUDA_ARCHITECTURES: DA_CUDA_SM80/SM90). */
+static int arch_ok(int major, int minor) {
+#ifdef DA_CUDA_SM80
+  if (major == 8 && minor == 0) return 1;
+#endif
+#if defined(DA_CUDA_SM90) || !defined(DA_CUDA_SM80)
+  if (major == 9 && minor == 0) return 1;
+#endif
+  return 0;
 }
 
 static int cuda_fail(cuda_ctx *c, cudaError_t e, const char *what, int line, char *err,
@@ -182,9 +195,20 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   struct cudaDeviceProp prop;
   CUDA_GOTO(NULL, cudaSetDevice(cfg->device), fail);
   CUDA_GOTO(NULL, cudaGetDeviceProperties(&prop, cfg->device), fail);
-  if (prop.major != 9 || prop.minor != 0) {
-    snprintf(err, errlen, "cuda: built for sm_90, device %d is sm_%d%d", cfg->device, prop.major,
-             prop.minor);
+  if (!arch_ok(prop.major, prop.minor)) {
+    snprintf(err, errlen, "cuda: built for %s, device %d is sm_%d%d",
+#ifdef DA_CUDA_SM80
+             "sm_80 and sm_90",
+#else
+             "sm_90",
+#endif
+             cfg->device, prop.major, prop.minor);
+    rv = DETATTN_UNAVAILABLE;
+    goto fail;
+  }
+  if (prop.major == 8 && cfg->model.head_dim > 128) {
+    snprintf(err, errlen, "cuda: head_dim %d needs more shared memory per block than sm_80 has (head_dim <= 128)",
+             cfg->model.head_dim);
     rv = DETATTN_UNAVAILABLE;
     goto fail;
   }
@@ -192,6 +216,14 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->n_sm = prop.multiProcessorCount;
 
   const da_model *m = &cfg->model;
+#ifdef DA_CUDA_HAVE_SM90A
+  {
+    const char *pf = getenv("DA_CUDA_PREFILL");
+    if (pf != NULL && prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim))
+      c->sm90_prefill = strcmp(pf, "wgmma") == 0 ? 2 : strcmp(pf, "wgmma-serial") == 0 ? 1 : 0;
+  }
+#endif
+  c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS : DA_CU_BLOCK_ROWS;
   c->page_bytes = (int64_t)m->n_layers * 2 * m->n_kv_heads * cfg->page_tokens * m->head_dim * 2;
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
@@ -388,7 +420,7 @@ static void block_splits(const cuda_ctx *c, const da_attn *a, int S, int64_t row
   const da_model *m = &c->cfg.model;
   const int G = m->n_q_heads / m->n_kv_heads;
   const int64_t n_rows = (int64_t)a->n_q * G;
-  int64_t last = row0 + DA_CU_BLOCK_ROWS;
+  int64_t last = row0 + c->brows;
   if (last > n_rows) last = n_rows;
   const int64_t p_min = a->q_pos + row0 / G, p_max = a->q_pos + (last - 1) / G;
   int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
@@ -402,7 +434,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   const int G = m->n_q_heads / m->n_kv_heads, P = c->cfg.page_tokens;
   int64_t inrow_ctas = 0;
   for (int i = 0; i < b->n_attns; i++)
-    inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, DA_CU_BLOCK_ROWS) * m->n_kv_heads;
+    inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, c->brows) * m->n_kv_heads;
   int64_t slots_free = c->acc_bytes / ((size_t)(m->head_dim + 1) * 4);
   /* In-row when it already gives about two resident CTAs per SM: measured faster than
    * partials there (long CTAs, no combine); both give the same bits. */
@@ -427,7 +459,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
-    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
+    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += c->brows) {
       int j0, j1;
       block_splits(c, a, S, r0, &j0, &j1);
       if (part) split_work += (int64_t)m->n_kv_heads * (j1 - j0);
@@ -460,7 +492,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     if (!pl->partial[i]) continue;
-    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += DA_CU_BLOCK_ROWS) {
+    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += c->brows) {
       int j0, j1;
       block_splits(c, a, S, r0, &j0, &j1);
       pl->n_items += (int64_t)m->n_kv_heads * ceil_div(j1 - j0, pl->per);
@@ -523,7 +555,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         const da_attn *a = &b->attns[i];
         const int64_t n_rows = (int64_t)a->n_q * G;
         if (pl->partial[i] != pass) continue;
-        for (int64_t r0 = 0; r0 < n_rows; r0 += DA_CU_BLOCK_ROWS) {
+        for (int64_t r0 = 0; r0 < n_rows; r0 += c->brows) {
           if ((n_rows - r0 <= 16) != small) continue;
           int j0, j1;
           block_splits(c, a, S, r0, &j0, &j1);
@@ -622,10 +654,27 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   while ((1 << g->page_shift) < P) g->page_shift++;
   g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
+  g->n_pool_pages = c->cfg.n_pages;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
   g->cap_out_log2 = g->softcap ? (float)((double)m->softcap * 1.4426950408889634) : 0.0f;
+}
+
+/* The attention launches: attn.cu for every item, or with sm90_prefill prefill_sm90.cu for
+ * the blocks of more than 16 rows and attn.cu for the rest. */
+static int attn_launch(cuda_ctx *c) {
+#ifdef DA_CUDA_HAVE_SM90A
+  if (c->sm90_prefill) {
+    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill == 2, c->stream);
+    if (e != 0) return e;
+    da_cu_args d = c->args;
+    d.items += d.n_items - d.n_split_items;
+    d.n_items = d.n_split_items;
+    return da_cuda_attn(&d, c->stream);
+  }
+#endif
+  return da_cuda_attn(&c->args, c->stream);
 }
 
 /* Page copies in order: a copy that touches a page an earlier pending copy wrote or read
@@ -751,7 +800,7 @@ static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *
   c->cur = c->fl_n > 0 ? c->fl[c->fl_head].set ^ 1 : c->cur ^ 1;
   rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &f->pl, err, errlen);
   if (rv != 0) return rv;
-  CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+  CUDA_GOTO(c, attn_launch(c), fail);
   CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
   if (f->pl.n_sseg > 0)
     CUDA_GOTO(c, da_cuda_segcopy((const da_cu_seg *)(c->d_in[c->cur] + f->pl.off_sseg), (int)f->pl.n_sseg,
@@ -883,12 +932,12 @@ int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double
   float t_a = 0.0f, t_c = 0.0f;
   double sa = 0.0, sc = 0.0;
   for (int i = 0; i < warmup; i++) {
-    CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+    CUDA_GOTO(c, attn_launch(c), fail);
     CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
   }
   for (int i = 0; i < iters; i++) {
     CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
-    CUDA_GOTO(c, da_cuda_attn(&c->args, c->stream), fail);
+    CUDA_GOTO(c, attn_launch(c), fail);
     CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
     CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
     CUDA_GOTO(c, cudaEventRecord(c->ev[2], c->stream), fail);
@@ -905,6 +954,8 @@ fail:
   fprintf(stderr, "%s\n", err);
   return rv;
 }
+
+int da_cuda_prefill_path(void *ctx) { return ((cuda_ctx *)ctx)->sm90_prefill; }
 
 /* ---- memory and events of other processes (the data planes) ---------------------------- */
 

@@ -28,6 +28,7 @@ extern "C" {
 
 #define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
 #define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
+#define DA_CU_SM90_BLOCK_ROWS 128 /* rows per CTA of prefill_sm90.cu: 2 warpgroups x 64 rows */
 #define DA_CU_COMBINE_ROWS 1 /* rows per combine CTA */
 
 /* One attention request of the batch. Offsets are in elements of their buffer. */
@@ -84,11 +85,21 @@ typedef struct da_cu_args {
   int softcap;        /* non-zero: score = softcap * tanh(scale * qk / softcap) */
   int has_inrow;      /* some items fold splits in-row (needs the fold buffer) */
   int stages;         /* set by the attention launcher: K/V pipeline depth */
+  int n_pool_pages;   /* pages in the KV pool (prefill_sm90.cu's tensor map spans it) */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items
  * write accumulator slots). Dynamic shared memory is set up by the launcher. */
 int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
+/* prefill_sm90.cu (sm_90a builds only; head_dim 64 and 128): the same attention as
+ * da_cuda_attn for the items before the last n_split_items, on wgmma fed by TMA, with items
+ * of DA_CU_SM90_BLOCK_ROWS rows (the backend plans them so); the decode items are left to
+ * da_cuda_attn. Same per-row arithmetic; equal bits iff wgmma and mma.sync give equal fp32
+ * bits (tests/cuda/test_mma_bits.cu). overlap != 0: the next tile's S is issued before this
+ * tile's softmax (same bits). Not the default: the backend runs it when DA_CUDA_PREFILL is
+ * wgmma (overlap) or wgmma-serial at create. */
+#define DA_CU_SM90_HEAD_DIM_OK(d) ((d) == 64 || (d) == 128)
+int da_cuda_prefill_sm90(const da_cu_args *a, int overlap, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);
 /* append.cu: writes a->appends' K/V into the pool through their page tables. */

@@ -1,0 +1,411 @@
+/*
+ * test_wgmma.c — the sm_90a prefill kernel (prefill_sm90.cu, on with DA_CUDA_PREFILL=wgmma, or
+ * =wgmma-serial for its variant without the S/softmax overlap) against the default mma.sync
+ * path (attn.cu), bit for bit, on the same seeded inputs: one-shot
+ * prefill, chunked prefill (random chunk sizes and split modes), token-by-token decode (which
+ * stays on attn.cu in both), in-row vs partial splits, and mixed batches (targets alone vs
+ * inside random batches of prefill chunks and decode rows); and the wgmma path's accuracy
+ * against the fp64 reference. Two backends run side by side, one per path; pools poisoned
+ * with NaN. Every comparison prints a line (the first differing element with its token, head
+ * and column when it fails), then the test asserts none failed.
+ * Exits 77 (skipped) without an sm_90 device or without the sm_90a kernels in this build.
+ * Runs with CK_FORK=no: CUDA does not survive fork() after init.
+ */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "cuda_backend.h"
+#include "testutil.h"
+
+typedef struct tcfg {
+  int hq, hkv, d, window, S, P;
+  da_dtype dt;
+  float softcap;
+} tcfg;
+
+typedef struct seq {
+  int cap;
+  int32_t *pages;
+  int n_pages;
+  uint16_t *k, *v, *q; /* [cap][hkv][d], [cap][hkv][d], [cap][hq][d] */
+} seq;
+
+/* A backend of one path (0 mma.sync, 1 wgmma-serial, 2 wgmma): ctx from
+ * da_cuda_backend_ops.create. */
+#define N_PATHS 3
+static const char *path_env[N_PATHS] = {NULL, "wgmma-serial", "wgmma"};
+typedef struct path {
+  void *ctx;
+  const char *name;
+} path;
+
+static uint64_t g_seed;
+static const int n_layers = 2, pool_pages = 1024;
+
+/* head_dim 64 and 128 (what prefill_sm90.cu takes); MHA and GQA (G = 1, 2, 3, 4, 8), sliding
+ * windows, softcap, fp16, page sizes 8-64, S 64-512. */
+static const tcfg cfgs[] = {
+    {.hq = 8, .hkv = 2, .d = 128, .window = 0, .S = 128, .P = 16, .dt = DA_BF16},
+    {.hq = 4, .hkv = 4, .d = 64, .window = 0, .S = 256, .P = 32, .dt = DA_BF16},
+    {.hq = 8, .hkv = 1, .d = 128, .window = 200, .S = 128, .P = 16, .dt = DA_FP16, .softcap = 30.0f},
+    {.hq = 4, .hkv = 2, .d = 64, .window = 100, .S = 64, .P = 64, .dt = DA_FP16},
+    {.hq = 2, .hkv = 2, .d = 128, .window = 0, .S = 512, .P = 8, .dt = DA_BF16},
+    {.hq = 6, .hkv = 2, .d = 64, .window = 0, .S = 192, .P = 16, .dt = DA_BF16, .softcap = 20.0f},
+};
+#define N_CFGS (int)(sizeof(cfgs) / sizeof(cfgs[0]))
+
+static da_model model_of(const tcfg *c) {
+  da_model m = {.n_layers = n_layers, .n_q_heads = c->hq, .n_kv_heads = c->hkv,
+                .head_dim = c->d, .dtype = c->dt, .softcap = c->softcap, .window = c->window};
+  da_model_defaults(&m);
+  return m;
+}
+
+static path open_path(const tcfg *c, int w) {
+  da_backend_cfg cfg = {.model = model_of(c),
+                        .num = {.split_tokens = c->S, .tile_tokens = 64},
+                        .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 17,
+                        .staging_bytes = 32u << 20, .poison = 1};
+  if (path_env[w] != NULL) setenv("DA_CUDA_PREFILL", path_env[w], 1);
+  else unsetenv("DA_CUDA_PREFILL");
+  path p = {.ctx = NULL, .name = w ? path_env[w] : "mma.sync"};
+  da_backend_info info;
+  char err[256] = "";
+  int rv = da_cuda_backend_ops.create(&p.ctx, &cfg, &info, err, sizeof(err));
+  unsetenv("DA_CUDA_PREFILL");
+  ck_assert_msg(rv == 0, "create (%s): %s (seed %llu)", p.name, err, (unsigned long long)g_seed);
+  ck_assert_msg(da_cuda_prefill_path(p.ctx) == w, "%s backend: prefill path is %d", p.name,
+                da_cuda_prefill_path(p.ctx));
+  return p;
+}
+
+static void close_path(path *p) {
+  da_cuda_backend_ops.destroy(p->ctx);
+  p->ctx = NULL;
+}
+
+static void seq_init(seq *s, const tcfg *c, int cap, da_rng *r, uint8_t *used) {
+  memset(s, 0, sizeof(*s));
+  s->cap = cap;
+  s->n_pages = (cap + c->P - 1) / c->P;
+  s->pages = malloc(sizeof(int32_t) * (size_t)s->n_pages);
+  ck_assert(s->pages != NULL);
+  ck_assert_int_eq(da_test_random_pages_from(r, s->pages, s->n_pages, used, pool_pages), 0);
+  s->k = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
+  s->v = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
+  s->q = da_test_random_tensor(r, c->dt, (size_t)cap * c->hq * c->d, 1.0);
+  ck_assert(s->k && s->v && s->q);
+}
+
+static void seq_fini(seq *s) { free(s->pages), free(s->k), free(s->v), free(s->q); }
+
+static da_append mk_append(const tcfg *c, const seq *s, int layer, int pos, int n) {
+  return (da_append){.layer = layer, .pos = pos, .n_tokens = n, .pages = s->pages, .n_pages = s->n_pages,
+                     .k = s->k + (size_t)pos * c->hkv * c->d, .v = s->v + (size_t)pos * c->hkv * c->d};
+}
+
+static da_attn mk_attn(const tcfg *c, const seq *s, int layer, int pos, int n, uint16_t *o, float *lse) {
+  return (da_attn){.layer = layer, .q_pos = pos, .n_q = n, .pages = s->pages, .n_pages = s->n_pages,
+                   .q = s->q + (size_t)pos * c->hq * c->d, .o = o + (size_t)pos * c->hq * c->d,
+                   .lse = lse ? lse + (size_t)pos * c->hq : NULL};
+}
+
+static void run_ok(path *p, const da_batch *b) {
+  da_batch_result res;
+  int rv = da_cuda_backend_ops.run(p->ctx, b, &res);
+  ck_assert_msg(rv == 0, "run (%s): %s: %s (seed %llu)", p->name, detattn_status_name(rv), res.err,
+                (unsigned long long)g_seed);
+}
+
+static void forward(path *p, const tcfg *c, seq *s, int layer, int pos, int n, uint16_t *o, float *lse,
+                    da_split_mode mode) {
+  da_append ap = mk_append(c, s, layer, pos, n);
+  da_attn at = mk_attn(c, s, layer, pos, n, o, lse);
+  da_batch b = {.appends = &ap, .n_appends = 1, .attns = &at, .n_attns = 1, .split_mode = mode};
+  run_ok(p, &b);
+}
+
+/* Compares o ([n][hq][d] in the dtype) and lse ([n][hq]); prints one line; returns 1 on a
+ * difference. */
+static int same(const tcfg *c, const char *what, int cfg_i, const uint16_t *o1, const uint16_t *o2, const float *l1,
+                const float *l2, int n) {
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  size_t nd = 0, first = 0, nld = 0, lfirst = 0;
+  for (size_t i = 0; i < no; i++)
+    if (o1[i] != o2[i] && nd++ == 0) first = i;
+  if (l1 != NULL)
+    for (size_t i = 0; i < nl; i++)
+      if (memcmp(&l1[i], &l2[i], 4) != 0 && nld++ == 0) lfirst = i;
+  if (nd == 0 && nld == 0) {
+    printf("cfg %d %-40s equal (%zu o, %zu lse)\n", cfg_i, what, no, l1 ? nl : 0);
+    return 0;
+  }
+  printf("cfg %d %-40s DIFFER: %zu of %zu o", cfg_i, what, nd, no);
+  if (nd > 0)
+    printf(", first token %zu head %zu col %zu: %.8g (%04x) vs %.8g (%04x)", first / ((size_t)c->hq * c->d),
+           first / c->d % c->hq, first % c->d, da_to_f32(c->dt, o1[first]), o1[first],
+           da_to_f32(c->dt, o2[first]), o2[first]);
+  printf("; %zu of %zu lse", nld, l1 ? nl : 0);
+  if (nld > 0)
+    printf(", first token %zu head %zu: %.9g vs %.9g", lfirst / c->hq, lfirst % c->hq, l1[lfirst], l2[lfirst]);
+  printf(" (seed %llu)\n", (unsigned long long)g_seed);
+  return 1;
+}
+
+/* One-shot prefill, chunked prefill and prefill-then-decode on both paths. */
+START_TEST(paths_agree_on_prefill_chunks_and_decode) {
+  const tcfg *c = &cfgs[_i];
+  const int n = 700, pre = 520;
+  da_rng r;
+  da_rng_seed(&r, g_seed + (uint64_t)_i);
+  uint8_t used[1024] = {0};
+  seq s;
+  seq_init(&s, c, n, &r, used);
+  /* The chunk sizes and split modes, drawn once and replayed on both paths. */
+  int chunk[700], mode[700], n_chunks = 0;
+  for (int pos = 0; pos < n; n_chunks++) {
+    int k = (int)da_rng_range(&r, 1, 300);
+    if (k > n - pos) k = n - pos;
+    chunk[n_chunks] = k, mode[n_chunks] = (int)da_rng_range(&r, 0, 2);
+    pos += k;
+  }
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  uint16_t *o[N_PATHS][3];
+  float *lse[N_PATHS][3];
+  int fails = 0;
+  for (int w = 0; w < N_PATHS; w++) {
+    path p = open_path(c, w);
+    for (int v = 0; v < 3; v++) {
+      o[w][v] = malloc(no * 2), lse[w][v] = malloc(nl * 4);
+      ck_assert(o[w][v] && lse[w][v]);
+    }
+    /* Three layers of one pool hold the same tokens: one-shot, chunked, prefill + decode. */
+    forward(&p, c, &s, 0, 0, n, o[w][0], lse[w][0], DA_SPLIT_AUTO);
+    for (int i = 0, pos = 0; i < n_chunks; pos += chunk[i++])
+      forward(&p, c, &s, 1, pos, chunk[i], o[w][1], lse[w][1], (da_split_mode)mode[i]);
+    close_path(&p);
+    p = open_path(c, w);
+    forward(&p, c, &s, 0, 0, pre, o[w][2], lse[w][2], DA_SPLIT_AUTO);
+    for (int pos = pre; pos < n; pos++)
+      forward(&p, c, &s, 0, pos, 1, o[w][2], lse[w][2], (da_split_mode)(pos % 3));
+    close_path(&p);
+  }
+  static const char *vname[3] = {"one-shot", "chunked", "prefill+decode"};
+  char what[80];
+  for (int w = 1; w < N_PATHS; w++) {
+    for (int v = 0; v < 3; v++) {
+      snprintf(what, sizeof(what), "%s: mma.sync vs %s", vname[v], path_env[w]);
+      fails += same(c, what, _i, o[0][v], o[w][v], lse[0][v], lse[w][v], n);
+    }
+    for (int v = 1; v < 3; v++) {
+      snprintf(what, sizeof(what), "%s: one-shot vs %s", path_env[w], vname[v]);
+      fails += same(c, what, _i, o[w][0], o[w][v], lse[w][0], lse[w][v], n);
+    }
+  }
+  for (int w = 0; w < N_PATHS; w++)
+    for (int v = 0; v < 3; v++) free(o[w][v]), free(lse[w][v]);
+  seq_fini(&s);
+  ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
+}
+END_TEST
+
+/* In-row, partial and auto split modes on the wgmma path equal each other and mma.sync. */
+START_TEST(paths_agree_in_every_split_mode) {
+  const tcfg *c = &cfgs[_i];
+  const int n = 900;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 100 + (uint64_t)_i);
+  uint8_t used[1024] = {0};
+  seq s;
+  seq_init(&s, c, n, &r, used);
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
+  static const char *names[] = {"in-row", "partial", "auto"};
+  uint16_t *o[N_PATHS][3];
+  float *lse[N_PATHS][3];
+  int fails = 0;
+  for (int w = 0; w < N_PATHS; w++) {
+    path p = open_path(c, w);
+    da_append ap = mk_append(c, &s, 1, 0, n);
+    da_batch b0 = {.appends = &ap, .n_appends = 1};
+    run_ok(&p, &b0);
+    for (int m = 0; m < 3; m++) {
+      o[w][m] = malloc(no * 2), lse[w][m] = malloc(nl * 4);
+      da_attn at = mk_attn(c, &s, 1, 0, n, o[w][m], lse[w][m]);
+      da_batch b = {.attns = &at, .n_attns = 1, .split_mode = modes[m]};
+      run_ok(&p, &b);
+    }
+    close_path(&p);
+  }
+  char what[80];
+  for (int w = 1; w < N_PATHS; w++) {
+    for (int m = 0; m < 3; m++) {
+      snprintf(what, sizeof(what), "%s: mma.sync vs %s", names[m], path_env[w]);
+      fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], n);
+    }
+    snprintf(what, sizeof(what), "%s: in-row vs partial", path_env[w]);
+    fails += same(c, what, _i, o[w][0], o[w][1], lse[w][0], lse[w][1], n);
+  }
+  for (int w = 0; w < N_PATHS; w++)
+    for (int m = 0; m < 3; m++) free(o[w][m]), free(lse[w][m]);
+  seq_fini(&s);
+  ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
+}
+END_TEST
+
+/* A decode row and a prefill chunk alone, then inside random mixes of prefill chunks and decode
+ * rows of other sequences (shuffled, random split modes), on both paths. */
+START_TEST(paths_agree_in_mixed_batches) {
+  const tcfg *c = &cfgs[_i];
+  enum { NS = 6, TRIALS = 5 };
+  const int n = 600, dpos = 577, ppos = 130, pn = 211;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 200 + (uint64_t)_i);
+  uint8_t used[1024] = {0};
+  seq s[NS];
+  for (int i = 0; i < NS; i++) seq_init(&s[i], c, n, &r, used);
+  /* The mixes, drawn once. */
+  int q_n[TRIALS][NS], q_pos[TRIALS][NS], lay[TRIALS][NS], perm[TRIALS][2 + NS], smode[TRIALS];
+  for (int t = 0; t < TRIALS; t++) {
+    for (int i = 0; i < NS; i++) {
+      q_n[t][i] = da_rng_range(&r, 0, 1) ? 1 : (int)da_rng_range(&r, 2, 300);
+      q_pos[t][i] = (int)da_rng_range(&r, 0, n - q_n[t][i]);
+      lay[t][i] = (int)da_rng_range(&r, 0, 1);
+    }
+    for (int i = 0; i < 2 + NS; i++) perm[t][i] = i;
+    for (int i = 2 + NS - 1; i > 0; i--) {
+      int j = (int)da_rng_range(&r, 0, i), x = perm[t][i];
+      perm[t][i] = perm[t][j], perm[t][j] = x;
+    }
+    smode[t] = (int)da_rng_range(&r, 0, 2);
+  }
+  const size_t row = (size_t)c->hq * c->d;
+  uint16_t *ref[N_PATHS], *got = malloc((size_t)(1 + pn) * row * 2), *scratch = malloc((size_t)NS * n * row * 2);
+  int fails = 0;
+  for (int w = 0; w < N_PATHS; w++) {
+    path p = open_path(c, w);
+    ref[w] = malloc((size_t)(1 + pn) * row * 2);
+    for (int i = 0; i < NS; i++) {
+      for (int l = 0; l < 2; l++) {
+        da_append ap = mk_append(c, &s[i], l, 0, n);
+        da_batch b = {.appends = &ap, .n_appends = 1};
+        run_ok(&p, &b);
+      }
+    }
+    for (int t = -1; t < TRIALS; t++) {
+      da_attn all[2 + NS], at[2 + NS];
+      uint16_t *dst = t < 0 ? ref[w] : got;
+      all[0] = mk_attn(c, &s[0], 1, dpos, 1, scratch, NULL);
+      all[0].o = dst;
+      all[1] = mk_attn(c, &s[1], 1, ppos, pn, scratch, NULL);
+      all[1].o = dst + row;
+      int na = 2;
+      if (t >= 0) {
+        for (int i = 0; i < NS; i++)
+          all[na++] = mk_attn(c, &s[i], lay[t][i], q_pos[t][i], q_n[t][i], scratch + (size_t)i * n * row, NULL);
+        for (int i = 0; i < na; i++) at[i] = all[perm[t][i]];
+      } else {
+        at[0] = all[0], at[1] = all[1];
+      }
+      da_batch b = {.attns = at, .n_attns = na, .split_mode = t < 0 ? DA_SPLIT_AUTO : (da_split_mode)smode[t]};
+      run_ok(&p, &b);
+      if (t >= 0) {
+        char what[64];
+        snprintf(what, sizeof(what), "%s: alone vs mix %d", p.name, t);
+        /* Rows as [1 + pn] tokens of [hq][d]; no lse. */
+        fails += same(c, what, _i, ref[w], got, NULL, NULL, 1 + pn);
+      }
+    }
+    close_path(&p);
+  }
+  for (int w = 1; w < N_PATHS; w++) {
+    char what[80];
+    snprintf(what, sizeof(what), "alone: mma.sync vs %s", path_env[w]);
+    fails += same(c, what, _i, ref[0], ref[w], NULL, NULL, 1 + pn);
+  }
+  for (int w = 0; w < N_PATHS; w++) free(ref[w]);
+  free(got), free(scratch);
+  for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
+}
+END_TEST
+
+/* The wgmma path against the fp64 reference (two chunks, read through the pages). */
+START_TEST(wgmma_matches_fp64_reference) {
+  const tcfg *c = &cfgs[_i];
+  const int n = 541;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 300 + (uint64_t)_i);
+  uint8_t used[1024] = {0};
+  seq s;
+  seq_init(&s, c, n, &r, used);
+  const size_t no = (size_t)n * c->hq * c->d;
+  uint16_t *o = malloc(no * 2);
+  float *lse = malloc((size_t)n * c->hq * 4);
+  double *ro = malloc(no * 8), *rl = malloc((size_t)n * c->hq * 8);
+  ck_assert(o && lse && ro && rl);
+  da_model m = model_of(c);
+  ck_assert_int_eq(da_test_ref_attention(&m, s.k, s.v, n, s.q, 0, n, ro, rl), 0);
+  const double tol = c->dt == DA_BF16 ? 4e-3 : 5e-4;
+  int bad = 0;
+  for (int w = 1; w < N_PATHS; w++) {
+    path p = open_path(c, w);
+    forward(&p, c, &s, 1, 0, 300, o, lse, DA_SPLIT_AUTO);
+    forward(&p, c, &s, 1, 300, n - 300, o, lse, DA_SPLIT_AUTO);
+    close_path(&p);
+    const double e = da_test_rel_err(c->dt, o, ro, no);
+    const double el = da_test_max_abs_err_f32(lse, rl, (size_t)n * c->hq);
+    printf("cfg %d accuracy %s (%s d%d hq%d hkv%d win%d cap%g S%d P%d): rel err %.2e (bound %.0e), lse max abs err "
+           "%.2e%s\n",
+           _i, path_env[w], da_dtype_name(c->dt), c->d, c->hq, c->hkv, c->window, (double)c->softcap, c->S, c->P, e,
+           tol, el, e <= tol && el <= 2e-5 ? "" : "  FAIL");
+    bad += !(e <= tol && el <= 2e-5);
+  }
+  ck_assert_msg(bad == 0, "cfg %d: accuracy out of bounds (seed %llu)", _i, (unsigned long long)g_seed);
+  free(o), free(lse), free(ro), free(rl);
+  seq_fini(&s);
+}
+END_TEST
+
+int main(void) {
+  if (!da_cuda_backend_ops.available()) {
+    printf("no CUDA device: skipped\n");
+    return 77;
+  }
+  g_seed = da_test_seed(0x5eed2027ull);
+  printf("seed %llu\n", (unsigned long long)g_seed);
+  {
+    /* Skip where the wgmma path cannot run: no sm_90a kernels in this build, or not sm_90. */
+    da_backend_cfg cfg = {.model = model_of(&cfgs[1]), .num = {.split_tokens = 256, .tile_tokens = 64},
+                          .page_tokens = 16, .n_pages = 16};
+    da_backend_info info;
+    char err[256];
+    void *ctx = NULL;
+    setenv("DA_CUDA_PREFILL", "wgmma", 1);
+    int rv = da_cuda_backend_ops.create(&ctx, &cfg, &info, err, sizeof(err));
+    unsetenv("DA_CUDA_PREFILL");
+    const int on = rv == 0 && da_cuda_prefill_path(ctx);
+    if (rv == 0) da_cuda_backend_ops.destroy(ctx);
+    if (!on) {
+      printf("the wgmma prefill path is not available here (%s): skipped\n", rv == 0 ? info.arch : err);
+      return 77;
+    }
+  }
+  Suite *su = suite_create("wgmma");
+  TCase *tc = tcase_create("bits");
+  tcase_set_timeout(tc, 120);
+  tcase_add_loop_test(tc, paths_agree_on_prefill_chunks_and_decode, 0, N_CFGS);
+  tcase_add_loop_test(tc, paths_agree_in_every_split_mode, 0, N_CFGS);
+  tcase_add_loop_test(tc, paths_agree_in_mixed_batches, 0, N_CFGS);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("accuracy");
+  tcase_set_timeout(tc, 60);
+  tcase_add_loop_test(tc, wgmma_matches_fp64_reference, 0, N_CFGS);
+  suite_add_tcase(su, tc);
+  SRunner *sr = srunner_create(su);
+  srunner_set_fork_status(sr, CK_NOFORK);
+  return da_test_run_runner(sr);
+}
