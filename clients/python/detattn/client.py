@@ -8,7 +8,10 @@ numpy has no bfloat16: a bf16 daemon takes and returns numpy ``uint16`` arrays o
 bits (``to_bf16`` / ``from_bf16`` convert float32); fp16 uses ``float16``; float32 and
 float64 inputs are rounded to the daemon's dtype (round to nearest even). torch tensors
 may have any float dtype and device: they are rounded to the daemon's dtype, and outputs
-come back as the daemon's dtype on q's device.
+come back as the daemon's dtype on q's device. CUDA tensors on the GPU of a CUDA daemon
+that offers the cuda plane stay there: the daemon reads q/k/v and writes o/lse in device
+memory (detattn_forward_cuda, ordered by torch's current stream); other CUDA tensors travel
+through host memory. Every way gives the same bits.
 
 numpy and torch are both optional: ``import detattn`` needs neither, ``forward`` takes
 whichever the caller has.

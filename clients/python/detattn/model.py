@@ -31,6 +31,11 @@ class Config:
     ffn_dim: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Seeded random weights: wq and wk scaled by sqrt(attn_gain) each, so attention scores
+    # spread attn_gain times wider. 1: plain 1/sqrt(fan_in) weights, whose attention over a
+    # long context is nearly uniform and hardly moves the logits; trained models attend
+    # sharply, so a difference in attention's last bits can change their tokens.
+    attn_gain: float = 1.0
 
 
 CONFIGS: Dict[str, Config] = {
@@ -38,7 +43,10 @@ CONFIGS: Dict[str, Config] = {
     "tiny": Config(vocab=512, dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512),
     # For the GPU experiment: Llama-shaped (dim = heads x head_dim, GQA 2:1) with the attention
     # of a small real model (16 q / 8 kv heads, d 64), two layers so 1000 samples take minutes.
-    "small": Config(vocab=4096, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64, ffn_dim=2816),
+    # Its attention is sharpened (attn_gain 4: scores of std 4, a few keys dominate) as in a
+    # trained model.
+    "small": Config(vocab=4096, dim=1024, n_layers=2, n_heads=16, n_kv_heads=8, head_dim=64, ffn_dim=2816,
+                    attn_gain=4.0),
     # Shaped like Llama 3.2 1B (16 layers, 32 q / 8 kv heads, d 64, dim 2048, ffn 8192).
     "1b": Config(vocab=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192,
                  rope_theta=500000.0),
@@ -171,6 +179,8 @@ class Transformer(nn.Module):
                 else:
                     fan_in = p.shape[-1] if p.dim() > 1 else 1
                     p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+                    if name.endswith(("wq.weight", "wk.weight")):
+                        p.mul_(math.sqrt(cfg.attn_gain))
         return m.eval()
 
     def load_safetensors(self, path: str) -> None:

@@ -81,11 +81,18 @@ def _varlen_kernel(fn, lengths_of: Callable[[int, int], List[int]]):
         V = torch.cat([v[b, :, :lens[b]].transpose(0, 1) for b in range(B)]).contiguous()
         cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=q.device)
-        try:
-            O = fn(Q, K, V, cu_q, cu_k, 1, max(lens), window_size=(-1, 0))
-        except TypeError:
-            O = fn(Q, K, V, cu_q, cu_k, 1, max(lens), is_causal=True)
-        return O[:, :, None]
+        for heads in ("as they are", "repeated"):
+            if heads == "repeated":  # a version that wants equal head counts
+                g = Q.shape[1] // K.shape[1]
+                K, V = K.repeat_interleave(g, 1), V.repeat_interleave(g, 1)
+            try:
+                try:
+                    return fn(Q, K, V, cu_q, cu_k, 1, max(lens), window_size=(-1, 0))[:, :, None]
+                except TypeError:
+                    return fn(Q, K, V, cu_q, cu_k, 1, max(lens), is_causal=True)[:, :, None]
+            except RuntimeError:
+                if heads == "repeated" or K.shape[1] == Q.shape[1]:
+                    raise
     return run
 
 

@@ -593,6 +593,8 @@ def experiment(args, cfg, paths: List[str], daemon: Optional[Daemon], url: Optio
             continue
         result["paths"][name] = r
         result["distinct_completions"][name] = r["distinct_completions"]
+        if args.json:  # what is done so far, should a later path hang or the run be killed
+            Path(args.json).write_text(json.dumps(result, indent=1))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     result["samples"] = min((r["samples"] for r in result["paths"].values()), default=0)

@@ -425,10 +425,11 @@ class TorchAttention(AttentionBackend):
 
     def _attend_group(self, layer, q, group, o, is_decode):
         dev = self.device
-        Q = torch.stack([q[s.start:s.start + s.n] for s in group]).to(self.dtype).to(dev).transpose(1, 2)
+        # [G, H, len, d] contiguous, as a serving stack's SDPA call gets them.
+        Q = torch.stack([q[s.start:s.start + s.n].transpose(0, 1) for s in group]).to(self.dtype).to(dev)
         kv = [s.seq.keys(layer) for s in group]
-        K = torch.stack([x[0] for x in kv]).transpose(1, 2)
-        V = torch.stack([x[1] for x in kv]).transpose(1, 2)
+        K = torch.stack([x[0].transpose(0, 1) for x in kv])
+        V = torch.stack([x[1].transpose(0, 1) for x in kv])
         if is_decode:
             self.decode_batches[len(group)] = self.decode_batches.get(len(group), 0) + 1
             O = self._sdpa_gqa("decode", self._decode_fn, Q, K, V, False)

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import gc
 
-import numpy as np
 import pytest
 import torch
 
