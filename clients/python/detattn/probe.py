@@ -15,6 +15,7 @@ against one plain matmul (the control: the repro's model must not vary).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -71,11 +72,17 @@ def _gqa(fn, q, k, v, scale):
         return fn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False, scale, False)
 
 
-def _varlen_kernel(fn, lengths_of: Callable[[int, int], List[int]]):
-    """varlen_attn over B single-token rows; row b sees lengths_of(B, L)[b] keys."""
+def _varlen_kernel(fn, lengths_of: Optional[Callable[[int], List[int]]] = None):
+    """varlen_attn over B single-token rows; row b sees lengths_of(B)[b] keys (k and v hold
+    enough of them), or all of k's keys."""
+    params = inspect.signature(fn).parameters
+    kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+
     def run(q, k, v):
-        B, L = q.shape[0], k.shape[2]
-        lens = lengths_of(B, L)
+        B = q.shape[0]
+        lens = lengths_of(B) if lengths_of is not None else [k.shape[2]] * B
         Q = q[:, :, 0].contiguous()                       # [B, Hq, d]
         K = torch.cat([k[b, :, :lens[b]].transpose(0, 1) for b in range(B)]).contiguous()
         V = torch.cat([v[b, :, :lens[b]].transpose(0, 1) for b in range(B)]).contiguous()
@@ -86,10 +93,7 @@ def _varlen_kernel(fn, lengths_of: Callable[[int, int], List[int]]):
                 g = Q.shape[1] // K.shape[1]
                 K, V = K.repeat_interleave(g, 1), V.repeat_interleave(g, 1)
             try:
-                try:
-                    return fn(Q, K, V, cu_q, cu_k, 1, max(lens), window_size=(-1, 0))[:, :, None]
-                except TypeError:
-                    return fn(Q, K, V, cu_q, cu_k, 1, max(lens), is_causal=True)[:, :, None]
+                return fn(Q, K, V, cu_q, cu_k, 1, max(lens), **kw)[:, :, None]
             except RuntimeError:
                 if heads == "repeated" or K.shape[1] == Q.shape[1]:
                     raise
@@ -196,23 +200,26 @@ def run_probe(args, cfg, url: Optional[str]) -> dict:
     for L in contexts:
         g = torch.Generator().manual_seed(args.seed)
         Bmax = batches[-1]
+        Lx = L * 3 // 2  # room for the mixed lengths' longer rows
         q = torch.randn(Bmax, cfg.n_heads, 1, cfg.head_dim, generator=g).to(torch.bfloat16).to(dev)
-        k = torch.randn(Bmax, cfg.n_kv_heads, L, cfg.head_dim, generator=g).to(torch.bfloat16).to(dev)
-        v = torch.randn(Bmax, cfg.n_kv_heads, L, cfg.head_dim, generator=g).to(torch.bfloat16).to(dev)
+        kx = torch.randn(Bmax, cfg.n_kv_heads, Lx, cfg.head_dim, generator=g).to(torch.bfloat16).to(dev)
+        vx = torch.randn(Bmax, cfg.n_kv_heads, Lx, cfg.head_dim, generator=g).to(torch.bfloat16).to(dev)
+        k, v = kx[:, :, :L].contiguous(), vx[:, :, :L].contiguous()
         kernels = _sdpa_kernels(dev, scale)
         vfn = _torch_varlen() if dev.type == "cuda" else None
         if vfn is not None:
-            kernels["varlen (rows of equal L)"] = _varlen_kernel(vfn, lambda B, L_: [L_] * B)
-            kernels["varlen (rows of mixed L)"] = _varlen_kernel(vfn, _mixed_lengths)
+            kernels["varlen (rows of equal L)"] = _varlen_kernel(vfn)
+            kernels["varlen (rows of mixed L)"] = _varlen_kernel(vfn, lambda B, L=L: _mixed_lengths(B, L))
         for name, fn in kernels.items():
-            res["rows"][f"{name} @ {L}"] = dict(_compare(fn, q, k, v, batches, timer), kernel=name, context=L)
+            kk, vv = (kx, vx) if "mixed" in name else (k, v)
+            res["rows"][f"{name} @ {L}"] = dict(_compare(fn, q, kk, vv, batches, timer), kernel=name, context=L)
         if url:
             try:
                 r = _detattn_rows(url, args, cfg, L, batches, q, k, v)
             except Exception as e:  # reported, not fatal: the torch rows still count
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             res["rows"][f"detattn @ {L}"] = dict(r, kernel="detattn", context=L)
-        del q, k, v
+        del q, k, v, kx, vx
     for name, r in _model_rows(dev, cfg.dim, cfg.ffn_dim, args.rows, batches).items():
         res["rows"][name] = dict(r, kernel=name, context=0)
     res["seconds"] = time.perf_counter() - t0

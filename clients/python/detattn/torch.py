@@ -373,11 +373,11 @@ class TorchAttention(AttentionBackend):
         seq.k = seq.v = None
 
     def attend(self, layer, q, k, v, segments):
+        kd, vd = k.to(self.dtype).to(self.device), v.to(self.dtype).to(self.device)
         for s in segments:  # write before attend
             if s.pos != s.seq.length[layer]:
                 raise ValueError(f"position {s.pos} is not the layer's length {s.seq.length[layer]}")
-            s.seq.append(layer, k[s.start:s.start + s.n].to(self.dtype).to(self.device),
-                         v[s.start:s.start + s.n].to(self.dtype).to(self.device))
+            s.seq.append(layer, kd[s.start:s.start + s.n], vd[s.start:s.start + s.n])
         if self.kind == "padded":
             return self._attend_padded(layer, q, segments)
         o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32, device=q.device)

@@ -347,3 +347,26 @@ def test_repro_stream_workload_and_probe(url, tmp_path):
     assert len(det) == 2 and all(x["differs_at"] == [] for x in det)
     assert [x["context"] for x in det] == [40, 41]
     assert any(x["kernel"].startswith("model matmul, one row") and x["differs_at"] == [] for x in pr["rows"].values())
+
+
+def test_probe_varlen_kernel_packs_rows():
+    """The probe's varlen_attn call: one query row per sequence, each over its own keys
+    (equal or mixed lengths), kv heads as they are; checked with the float64 stand-in."""
+    from detattn.probe import _mixed_lengths, _varlen_kernel
+
+    def new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa and max_q == 1 and k.shape[1] == 2
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, 1 / math.sqrt(q.shape[-1]))
+
+    g = torch.Generator().manual_seed(41)
+    q, k, v = torch.randn(5, 4, 1, 64, generator=g), torch.randn(5, 2, 45, 64, generator=g), \
+        torch.randn(5, 2, 45, 64, generator=g)
+    for lens in ([45] * 5, _mixed_lengths(5, 30)):
+        out = _varlen_kernel(new_api, None if lens[1] == 45 else lambda B: _mixed_lengths(B, 30))(q, k, v)
+        assert max(lens) <= 45 and min(lens) >= 15
+        for b in range(5):
+            want = detattn.torch.sdpa_reference(q[b:b + 1], k[b:b + 1, :, :lens[b]], v[b:b + 1, :, :lens[b]], False,
+                                                1 / 8)
+            assert torch.allclose(out[b], want[0], atol=1e-5)
+    assert _mixed_lengths(4, 30)[0] == 30 and _mixed_lengths(4, 30) == _mixed_lengths(4, 30)
