@@ -15,10 +15,10 @@
 #    an even share of what is left and reports how many samples it got.
 # Everything lands in $OUT (logs, probe.json, cuda_plane.json, repro.json, repro.png); a
 # summary is printed last. Environment: REPRO_DEADLINE (seconds from start by which the
-# experiment must end, default 500), REPRO_PATHS.
+# experiment must end, default 470), REPRO_PATHS.
 set -uo pipefail
 n=${1:-1000}
-deadline=${REPRO_DEADLINE:-500}
+deadline=${REPRO_DEADLINE:-470}
 paths=${REPRO_PATHS:-detattn,torch-flash,torch-cudnn,torch-varlen-decode}
 OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
@@ -43,20 +43,20 @@ detattn._lib.cuda_api() is not None)' | tee -a "$OUT/gpu.txt"
 common=(--detattnd build-gpu/bin/detattnd --backend cuda --torch-device cuda --model small --prompt-len 2048)
 
 stage probe
-timeout 150 python3 -m detattn.repro --probe "${common[@]}" --json "$OUT/probe.json" \
+timeout 120 python3 -m detattn.repro --probe "${common[@]}" --json "$OUT/probe.json" \
   > "$OUT/probe.md" 2> "$OUT/probe.err"
 echo "probe exit $?"; cat "$OUT/probe.md"; tail -5 "$OUT/probe.err"
 
 stage "cuda plane checks"
-timeout 150 python3 clients/python/tests/test_gpu_cuda_plane.py --detattnd build-gpu/bin/detattnd \
+timeout 120 python3 clients/python/tests/test_gpu_cuda_plane.py --detattnd build-gpu/bin/detattnd \
   --json "$OUT/cuda_plane.json" > "$OUT/cuda_plane.md" 2> "$OUT/cuda_plane.err"
 echo "cuda plane checks exit $?"; cat "$OUT/cuda_plane.md"; tail -15 "$OUT/cuda_plane.err"
 
 left=$((deadline - (SECONDS - t0)))
 [ "$left" -lt 120 ] && left=120
 stage "repro: $n samples per path, $left s"
-timeout $((left + 90)) python3 -m detattn.repro "${common[@]}" --workload stream --max-new 32 --samples "$n" \
-  --paths "$paths" --time-budget "$((left - 30))" --check-seconds 25 --json "$OUT/repro.json" \
+timeout $((left + 45)) python3 -m detattn.repro "${common[@]}" --workload stream --max-new 32 --samples "$n" \
+  --paths "$paths" --time-budget "$((left - 40))" --check-seconds 25 --json "$OUT/repro.json" \
   --plot "$OUT/repro.png" > "$OUT/repro.md" 2> "$OUT/repro.err"
 rc=$?
 echo "repro exit $rc"; tail -25 "$OUT/repro.err"

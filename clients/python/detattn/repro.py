@@ -614,4 +614,6 @@ def experiment(args, cfg, paths: List[str], daemon: Optional[Daemon], url: Optio
 
 
 if __name__ == "__main__":
+    # A SIGTERM (a timeout) unwinds: the daemon started here is stopped, the JSON so far kept.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

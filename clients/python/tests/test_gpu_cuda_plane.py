@@ -14,6 +14,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -237,6 +238,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the daemon
     d = Daemon(a.detattnd, CFG, backend="cuda") if not a.url else None
     try:
         report = run_all(a.url or d.url)
