@@ -431,7 +431,8 @@ def run_detattn(args, cfg, model, prompt, daemon: Optional[Daemon], url: str, ti
                           "data_plane": c.data_plane, "planes_offered": list(info.data_planes),
                           "forwards": dict(c.forwards), "device_calls": attn.device_calls,
                           "host_calls": attn.host_calls}
-    r.update(detattn_checks(args, url, daemon, model, cfg, prompt, r["completion_0"]))
+    if r["samples"]:
+        r.update(detattn_checks(args, url, daemon, model, cfg, prompt, r["completion_0"]))
     return r
 
 
