@@ -100,12 +100,12 @@ def test_cuda_plane_refused_by_a_cpu_daemon(url, monkeypatch):
             c.hello()
     assert e.value.code == 9 and e.value.status == "FAILED_PRECONDITION" and "cuda" in e.value.message.lower()
     # A libdetattn with the plane against a daemon without it: every call that needs the
-    # daemon's Hello fails, with the daemon's backend named.
+    # daemon's Hello fails (libdetattn says why, or this package where it does not check).
     monkeypatch.setattr(_lib, "cuda_api", lambda: _lib.CudaApi(None, None))
     with detattn.Client(url, data_plane="cuda") as c:
         with pytest.raises(detattn.FailedPrecondition) as e:
             c.hello()
-        assert "offers no cuda plane" in e.value.message and "cpu backend" in e.value.message
+        assert e.value.code == 9 and "cuda" in e.value.message.lower()  # libdetattn's words, or ours
         with c.seq_open() as s, pytest.raises(detattn.FailedPrecondition):
             c.forward(0, [SeqIO(s, 0, q, k, v)])
         assert s.length == 0
