@@ -13,9 +13,9 @@
 #    serving-style decode (flash, cuDNN, varlen) in-process; two client processes and a
 #    daemon restart for detattn. --time-budget keeps it inside the call: each path gets
 #    an even share of what is left and reports how many samples it got.
-# Everything lands in $OUT (logs, probe.json, cuda_plane.json, repro.json, repro.png); a
-# summary is printed last. Environment: REPRO_DEADLINE (seconds from start by which the
-# experiment must end, default 470), REPRO_PATHS.
+# Everything lands in $OUT (logs, the daemons' logs, probe.json, cuda_plane.json, repro.json,
+# repro.png); a summary is printed last. Environment: REPRO_DEADLINE (seconds from start by
+# which the experiment must end, default 470), REPRO_PATHS.
 set -uo pipefail
 n=${1:-1000}
 deadline=${REPRO_DEADLINE:-470}
@@ -44,12 +44,12 @@ common=(--detattnd build-gpu/bin/detattnd --backend cuda --torch-device cuda --m
 
 stage probe
 timeout 120 python3 -m detattn.repro --probe "${common[@]}" --json "$OUT/probe.json" \
-  > "$OUT/probe.md" 2> "$OUT/probe.err"
+  --daemon-log "$OUT/detattnd-probe.log" > "$OUT/probe.md" 2> "$OUT/probe.err"
 echo "probe exit $?"; cat "$OUT/probe.md"; tail -5 "$OUT/probe.err"
 
 stage "cuda plane checks"
 timeout 120 python3 clients/python/tests/test_gpu_cuda_plane.py --detattnd build-gpu/bin/detattnd \
-  --json "$OUT/cuda_plane.json" > "$OUT/cuda_plane.md" 2> "$OUT/cuda_plane.err"
+  --json "$OUT/cuda_plane.json" --daemon-log "$OUT/detattnd-plane.log" > "$OUT/cuda_plane.md" 2> "$OUT/cuda_plane.err"
 echo "cuda plane checks exit $?"; cat "$OUT/cuda_plane.md"; tail -15 "$OUT/cuda_plane.err"
 
 left=$((deadline - (SECONDS - t0)))
@@ -57,12 +57,13 @@ left=$((deadline - (SECONDS - t0)))
 stage "repro: $n samples per path, $left s"
 timeout $((left + 45)) python3 -m detattn.repro "${common[@]}" --workload stream --max-new 32 --samples "$n" \
   --paths "$paths" --time-budget "$((left - 40))" --check-seconds 25 --json "$OUT/repro.json" \
-  --plot "$OUT/repro.png" > "$OUT/repro.md" 2> "$OUT/repro.err"
+  --plot "$OUT/repro.png" --daemon-log "$OUT/detattnd-repro.log" > "$OUT/repro.md" 2> "$OUT/repro.err"
 rc=$?
 echo "repro exit $rc"; tail -25 "$OUT/repro.err"
 
 stage summary
 echo "GPU: $(head -1 "$OUT/gpu.txt"); $(sed -n 2p "$OUT/gpu.txt"); $(sed -n 3p "$OUT/gpu.txt")"
+grep -E '^\| (sdpa-flash|sdpa-cudnn|varlen|detattn) ' "$OUT/probe.md"
 grep '^batch-variant' "$OUT/probe.md" || echo "probe: no result (see probe.err)"
 grep -A8 '^| check' "$OUT/cuda_plane.md" || echo "cuda plane checks: no result (see cuda_plane.err)"
 cat "$OUT/repro.md"

@@ -259,7 +259,9 @@ class Daemon:
     backend (as in CI), or ``backend="cuda"`` with the CUDA kernels' tile; ``extra``: more
     flags."""
 
-    def __init__(self, path: str, cfg, threads: int = 0, backend: str = "cpu", extra: Optional[List[str]] = None):
+    def __init__(self, path: str, cfg, threads: int = 0, backend: str = "cpu", extra: Optional[List[str]] = None,
+                 keep_log: Optional[str] = None):
+        self.keep_log = keep_log  # where close() copies the daemon's log
         self.dir = tempfile.mkdtemp(prefix="detattn-repro-")
         self.url = f"ipc://{self.dir}/d.sock"
         numerics = (["--split-tokens", "64", "--tile-tokens", "16", "--threads", str(threads)] if backend == "cpu"
@@ -292,6 +294,8 @@ class Daemon:
 
     def close(self):
         self.stop()
+        if self.keep_log:
+            shutil.copyfile(os.path.join(self.dir, "log"), self.keep_log)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -466,6 +470,7 @@ def main(argv=None) -> int:
     ap.add_argument("--detattnd", help="path of detattnd to start (default: found in build/ or PATH)")
     ap.add_argument("--backend", default="cpu", choices=("cpu", "cuda"), help="backend of the daemon started here")
     ap.add_argument("--daemon-arg", action="append", default=[], help="another flag for the daemon started here")
+    ap.add_argument("--daemon-log", help="keep the log of the daemon started here in this file")
     ap.add_argument("--data-plane", default="auto", choices=("auto", "copy", "shm", "cuda"),
                     help="the detattn client's data plane (auto: cuda for CUDA tensors when offered, else shm)")
     ap.add_argument("--arena-mib", type=int, default=512, help="the detattn client's shared-memory arena")
@@ -531,7 +536,7 @@ def main(argv=None) -> int:
                 held = args.running * (max(args.other_len[1], args.prompt_len) + 2 * args.max_new)
                 extra += ["--max-request-tokens", str(args.batch_tokens), "--max-batch-tokens",
                           str(args.batch_tokens + 1024), "--kv-tokens", str(max(262144, 2 * held))]
-            daemon = Daemon(exe, cfg, backend=args.backend, extra=extra)
+            daemon = Daemon(exe, cfg, backend=args.backend, extra=extra, keep_log=args.daemon_log)
             url = daemon.url
         if args.probe:
             from .probe import print_probe, run_probe
@@ -589,6 +594,8 @@ def experiment(args, cfg, paths: List[str], daemon: Optional[Daemon], url: Optio
             raise
         except Exception as e:  # one path failing must not lose the others' results
             traceback.print_exc()
+            if name == "detattn" and daemon is not None:
+                print("detattnd's log, last lines:\n" + daemon.log[-3000:], file=sys.stderr)
             result["failed"][name] = f"{type(e).__name__}: {e}"
             result["skipped"][name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
             continue

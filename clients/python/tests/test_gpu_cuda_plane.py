@@ -234,12 +234,13 @@ def main() -> int:
     ap.add_argument("--url", help="a running CUDA detattnd serving the tiny model")
     ap.add_argument("--detattnd", help="start this detattnd with --backend cuda")
     ap.add_argument("--json")
+    ap.add_argument("--daemon-log", help="keep the started daemon's log in this file")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the daemon
-    d = Daemon(a.detattnd, CFG, backend="cuda") if not a.url else None
+    d = Daemon(a.detattnd, CFG, backend="cuda", keep_log=a.daemon_log) if not a.url else None
     try:
         report = run_all(a.url or d.url)
     finally:
