@@ -187,7 +187,7 @@ def run_stream(model, attn, cfg, prompt: List[int], n_targets: int, seed: int, m
                 n = rnd.randint(*other_len)
                 reqs = [Request(_tokens(rnd, cfg.vocab, n), rnd.randint(1, 2 * max_new)) for _ in range(k)]
             queue.append(reqs)
-        while queue and len(eng.running) + len(queue[0]) <= running:
+        while queue and (len(eng.running) + len(queue[0]) <= running or not eng.running):
             for r in queue.popleft():
                 eng.add(r)
         if eng.running:
