@@ -75,11 +75,13 @@ def _candidates() -> list[str]:
 
 
 def _load() -> ctypes.CDLL:
+    global path
     errors = []
     for cand in _candidates():
         try:
             lib = ctypes.CDLL(cand)
             lib.detattn_connect_ex  # noqa: B018 - a library new enough for this package
+            path = cand
             return lib
         except (OSError, AttributeError) as e:
             errors.append(f"{cand}: {e}")
@@ -87,6 +89,7 @@ def _load() -> ctypes.CDLL:
                       + "; ".join(errors))
 
 
+path = ""  # the library loaded, as found
 lib = _load()
 c_client_p = ctypes.c_void_p
 c_call_p = ctypes.c_void_p
@@ -122,3 +125,40 @@ def errmsg() -> str:
     """The message of this thread's last failed call (libdetattn keeps it per thread)."""
     m = lib.detattn_errmsg()
     return m.decode("utf-8", "replace") if m else ""
+
+
+class CudaApi:
+    """The CUDA plane's entry points (detattn_forward_cuda, detattn_forward_cuda_start), or
+    stand-ins with the same signatures in tests."""
+
+    def __init__(self, forward, forward_start):
+        self.forward = forward
+        self.forward_start = forward_start
+
+
+_CUDA_SIGS = {
+    "detattn_forward_cuda": (ctypes.c_int, [c_client_p, ctypes.c_uint32, ctypes.POINTER(SeqIO), ctypes.c_size_t,
+                                            ctypes.c_void_p]),
+    "detattn_forward_cuda_start": (ctypes.c_int, [c_client_p, ctypes.c_uint32, ctypes.POINTER(SeqIO),
+                                                  ctypes.c_size_t, ctypes.c_void_p, ctypes.POINTER(c_call_p)]),
+}
+_cuda_api: "CudaApi | None | bool" = False  # False: not looked up yet
+
+
+def cuda_api() -> "CudaApi | None":
+    """The CUDA plane of the loaded libdetattn, bound on first use; None when the library
+    predates it (the package works without it: CUDA tensors then go through host memory)."""
+    global _cuda_api
+    if _cuda_api is False:
+        fns = []
+        for name, (res, args) in _CUDA_SIGS.items():
+            try:
+                f = getattr(lib, name)
+            except AttributeError:
+                fns = None
+                break
+            f.restype, f.argtypes = res, args
+            fns.append(f)
+        _cuda_api = CudaApi(*fns) if fns else None
+    return _cuda_api
+

@@ -4,14 +4,15 @@ layer is one attention call (one Forward through detattnd) for the whole batch.
 
 Sampling is greedy, or seeded per request (temperature, a torch.Generator of its own), so a
 request's tokens depend only on its logits. Parallel sampling forks a request's sequence
-after its prompt (copy-on-write in detattnd); speculative rollback truncates it.
+after its prompt (copy-on-write in detattnd); speculative rollback truncates it. The model
+may sit on a GPU: each step's logits come to the host once.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -19,7 +20,7 @@ from .model import Transformer
 from .torch import AttentionBackend, SequenceTable
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     prompt: List[int]
     max_new: int
@@ -33,6 +34,9 @@ class Request:
     pending: Optional[int] = None  # the last sampled token, not yet fed
     finished: bool = False
     gen: Optional[torch.Generator] = None
+    # When set (a hashlib object): fed the bits of every logits row sampled from, so two
+    # runs can be compared below the level of tokens.
+    trace: Any = None
 
     @property
     def length(self) -> int:
@@ -42,17 +46,21 @@ class Request:
 
 class Engine:
     """Runs requests on ``model`` with attention from ``attn``. ``max_batch_tokens`` bounds the
-    tokens of one step; ``prefill_chunk`` the tokens of one request's prefill per step. The
-    engine's ``table`` keeps each request's sequence and length."""
+    tokens of one step; ``prefill_chunk`` the tokens of one request's prefill per step. With
+    ``whole_chunks`` a prefill chunk is never cut short to fit the step's remaining budget:
+    it waits for a step with room (unless it could never fit). The engine's ``table`` keeps
+    each request's sequence and length."""
 
     def __init__(self, model: Transformer, attn: AttentionBackend, max_batch_tokens: int = 512,
-                 prefill_chunk: int = 128):
+                 prefill_chunk: int = 128, whole_chunks: bool = False):
         self.model, self.attn = model, attn
         self.table = SequenceTable(attn)
         self.max_batch_tokens, self.prefill_chunk = max_batch_tokens, prefill_chunk
+        self.whole_chunks = whole_chunks
         self.running: List[Request] = []
         self.steps = 0
         self.tokens = 0
+        self.decode_tokens = 0
 
     def add(self, r: Request) -> Request:
         """The request joins: its sequence opens; it runs from the next step."""
@@ -103,7 +111,10 @@ class Engine:
                 continue
             if r.done_prompt < len(r.prompt):
                 chunk = r.prefill_chunk or self.prefill_chunk or len(r.prompt)
-                n = min(chunk, len(r.prompt) - r.done_prompt, budget)
+                want = min(chunk, len(r.prompt) - r.done_prompt)
+                if self.whole_chunks and want > budget and budget < self.max_batch_tokens:
+                    continue
+                n = min(want, budget)
                 toks = r.prompt[r.done_prompt:r.done_prompt + n]
             elif r.pending is not None:
                 n, toks = 1, [r.pending]
@@ -117,10 +128,11 @@ class Engine:
         if not counts:
             return []
         batch = self.table.batch(counts)
-        logits = self.model.step(torch.tensor(tokens), batch)
+        logits = self.model.step(torch.tensor(tokens), batch).cpu()
         self.table.commit(batch)
         self.steps += 1
         self.tokens += len(tokens)
+        self.decode_tokens += sum(1 for r, n in owners if n == 1 and r.done_prompt >= len(r.prompt))
         finished = []
         for (r, n), lg in zip(owners, logits):
             if r.done_prompt < len(r.prompt):
@@ -129,6 +141,8 @@ class Engine:
                     continue
             else:
                 r.pending = None
+            if r.trace is not None:
+                r.trace.update(lg.numpy().tobytes())
             t = self._sample(r, lg)
             r.out.append(t)
             r.pending = t

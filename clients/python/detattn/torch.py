@@ -11,12 +11,21 @@ requests, packed as ``[tokens, heads, head_dim]`` rows.
   - ``DetattnAttention``: each layer call of a step is ONE Forward to detattnd carrying
     every sequence of the batch. The daemon keeps the KV cache; outputs are bit-identical
     whatever else is batched, however prefill is chunked.
-  - ``TorchAttention``: the usual in-process way, a KV cache in torch tensors and one
-    attention call per layer for the whole batch, either ``padded`` (a padded, masked
-    batch: torch SDPA when present, else matmul-softmax) or ``varlen`` (packed rows with
-    cumulative lengths through ``torch.nn.attention.varlen.varlen_attn``, flash attention,
-    as vLLM-style engines call it; CUDA and torch >= 2.10 only). Their bits may depend on
-    the batch: the comparison in ``detattn.repro``.
+    On a GPU with a daemon that offers the cuda plane, the step's q/k/v/o live in
+    per-layer device buffers and the daemon reads and writes them in place (no host copy).
+  - ``TorchAttention``: the usual in-process way, a KV cache in torch tensors and torch's
+    own kernels, in one of these ``kind``s:
+    ``padded``: one padded, masked call per layer for the batch (torch SDPA when present,
+    else matmul-softmax);
+    ``varlen``: the step's rows packed with cumulative lengths, one
+    ``torch.nn.attention.varlen.varlen_attn`` call (flash attention; CUDA, torch >= 2.10);
+    ``flash``, ``cudnn`` (serving-style decode through SDPA): the decode rows (one new
+    token each) in groups of equal KV length, each group ONE unmasked SDPA call
+    ``[G, Hq, 1, d]`` with only that backend enabled, whose split-KV heuristics see the
+    group's size; prefill chunks through SDPA as torch picks (causal);
+    ``varlen-decode``: prefill chunks in one ``varlen_attn`` call, the decode rows of the
+    whole batch in another with ``max_seqlen_q`` 1 (how vLLM-style engines decode).
+    Their bits may depend on the batch: the comparison in ``detattn.repro``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence as Se
 import torch
 from torch import nn
 
-from .client import Client, Sequence, SeqIO
+from . import client as _client
+from .client import Client, Output, Sequence, SeqIO
 
 
 @dataclass
@@ -91,9 +101,31 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+class _LayerBuffers:
+    """One layer's device tensors for the cuda plane, grown as steps need: q, k, v and o
+    in the daemon's dtype. Reused every step, so the daemon registers each once."""
+
+    def __init__(self, rows: int, hq: int, hkv: int, d: int, dtype, device):
+        cap = max(64, 1 << (rows - 1).bit_length())
+        self.q = torch.empty(cap, hq, d, dtype=dtype, device=device)
+        self.k = torch.empty(cap, hkv, d, dtype=dtype, device=device)
+        self.v = torch.empty(cap, hkv, d, dtype=dtype, device=device)
+        self.o = torch.empty(cap, hq, d, dtype=dtype, device=device)
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+
 class DetattnAttention(AttentionBackend):
     """Attention through detattnd: one Forward per layer for the whole batch. Sequence
-    handles are ``detattn.Sequence``s of ``client``."""
+    handles are ``detattn.Sequence``s of ``client``.
+
+    Where the step's tensors go: CUDA tensors on a GPU the client's cuda plane serves are
+    rounded into per-layer device buffers and the daemon reads q/k/v and writes o there
+    (``device_calls`` counts these calls); otherwise the step is rounded on its device,
+    copied to the host once and the output copied back (``host_calls``). Both give the
+    same bits. ``attend`` returns o as float32 on q's device."""
 
     name = "detattn"
 
@@ -103,6 +135,9 @@ class DetattnAttention(AttentionBackend):
         self.n_q_heads, self.n_kv_heads, self.head_dim = m.n_q_heads, m.n_kv_heads, m.head_dim
         self.dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float16
         self.calls = 0
+        self.device_calls = 0
+        self.host_calls = 0
+        self._buffers: Dict[int, _LayerBuffers] = {}
 
     def new_seq(self) -> Sequence:
         return self.client.seq_open()
@@ -116,18 +151,46 @@ class DetattnAttention(AttentionBackend):
     def free(self, seq: Sequence) -> None:
         seq.close()
 
+    def buffers(self, layer: int, rows: int, device) -> _LayerBuffers:
+        """Layer ``layer``'s device buffers, at least ``rows`` rows, on ``device``."""
+        b = self._buffers.get(layer)
+        if b is None or b.rows < rows or b.q.device != device:
+            b = _LayerBuffers(rows, self.n_q_heads, self.n_kv_heads, self.head_dim, self.dtype, device)
+            self._buffers[layer] = b
+        return b
+
     def attend(self, layer, q, k, v, segments):
+        self.calls += 1
+        dev = _client._cuda_device(q)
+        if dev is not None and self.client.cuda_plane_for(dev):
+            self.device_calls += 1
+            return self._attend_device(layer, q, k, v, segments)
+        self.host_calls += 1
         # Round the whole step once on its device, copy it to the host once; segments are
         # row ranges of it (contiguous views).
         qh, kh, vh = (x.detach().to(self.dtype).to("cpu").contiguous() for x in (q, k, v))
         items = [SeqIO(s.seq, s.pos, qh[s.start:s.start + s.n], kh[s.start:s.start + s.n],
                        vh[s.start:s.start + s.n]) for s in segments]
         outs = self.client.forward(layer, items)
-        self.calls += 1
-        o = torch.zeros(q.shape[0], self.n_q_heads, self.head_dim, dtype=torch.float32)
+        o = torch.zeros(q.shape[0], self.n_q_heads, self.head_dim, dtype=self.dtype)
         for s, out in zip(segments, outs):
-            o[s.start:s.start + s.n] = out.o.to(torch.float32)
-        return o
+            o[s.start:s.start + s.n] = out.o.view(s.n, self.n_q_heads, self.head_dim)
+        return o.to(q.device).float()
+
+    def _attend_device(self, layer, q, k, v, segments):
+        T = q.shape[0]
+        b = self.buffers(layer, T, q.device)
+        qb, kb, vb, ob = b.q[:T], b.k[:T], b.v[:T], b.o[:T]
+        with torch.no_grad():
+            qb.copy_(q.view(T, self.n_q_heads, self.head_dim))
+            kb.copy_(k.view(T, self.n_kv_heads, self.head_dim))
+            vb.copy_(v.view(T, self.n_kv_heads, self.head_dim))
+            if sum(s.n for s in segments) != T:  # rows no segment covers stay 0, as on the host path
+                ob.zero_()
+        items = [SeqIO(s.seq, s.pos, qb[s.start:s.start + s.n], kb[s.start:s.start + s.n],
+                       vb[s.start:s.start + s.n]) for s in segments]
+        self.client.forward(layer, items, out=[Output(ob[s.start:s.start + s.n]) for s in segments])
+        return ob.float()
 
 
 class _TorchSeq:
@@ -183,54 +246,113 @@ def _torch_varlen() -> Optional[Callable]:
     return varlen_attn
 
 
-class TorchAttention(AttentionBackend):
-    """In-process attention: a KV cache per sequence and layer on ``device`` and one
-    attention call per layer for the whole batch.
+#: TorchAttention's kinds (see the module docstring).
+KINDS = ("padded", "varlen", "flash", "cudnn", "varlen-decode")
 
-    ``kind="padded"``: the batch padded to its longest query chunk and key length, a boolean
-    mask, torch SDPA when present (any device), else matmul-softmax; ``compute_dtype`` is the
-    dtype it computes in. ``kind="varlen"``: the step's rows packed with cumulative lengths,
-    one ``varlen_attn`` call (flash attention, bottom-right causal, GQA heads as they are),
-    in ``dtype``. Inputs are rounded to ``dtype`` (as detattnd's are) and so are outputs."""
+
+def sdpa_reference(q, k, v, is_causal, scale):
+    """What the ``flash``/``cudnn`` kinds' SDPA call computes, in float64: q ``[G, Hq, n, d]``,
+    k and v ``[G, Hkv, L, d]`` (GQA by head groups); causal aligned bottom-right (query i of
+    n sees the first L - n + i + 1 keys). For tests of the grouping, not a torch kernel."""
+    G, hq, n, d = q.shape
+    L, g = k.shape[2], hq // k.shape[1]
+    K = k.double().repeat_interleave(g, dim=1)
+    V = v.double().repeat_interleave(g, dim=1)
+    S = torch.matmul(q.double(), K.transpose(-1, -2)) * scale
+    if is_causal:
+        allowed = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        S = S.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(S, dim=-1), V).to(q.dtype)
+
+
+def sdpa_backend(name: str) -> Optional[Callable]:
+    """``fn(q, k, v, is_causal, scale, enable_gqa)``: torch SDPA with only backend ``name``
+    (flash, cudnn, efficient, math) enabled, or None when this torch cannot restrict SDPA to
+    one backend (``torch.nn.attention.sdpa_kernel``, torch >= 2.3)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return None
+    be = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+          "math": "MATH"}[name]
+    if not hasattr(SDPBackend, be):
+        return None
+    backend = getattr(SDPBackend, be)
+
+    def run(q, k, v, is_causal, scale, enable_gqa):
+        kw = {"enable_gqa": True} if enable_gqa else {}
+        with sdpa_kernel([backend]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, **kw)
+    return run
+
+
+class TorchAttention(AttentionBackend):
+    """In-process attention: a KV cache per sequence and layer on ``device`` and torch's own
+    attention kernels, as ``kind`` says (``KINDS``; the module docstring describes each).
+    Inputs are rounded to ``dtype`` (as detattnd's are) and so are outputs; ``attend``
+    returns float32 on q's device.
+
+    ``compute_dtype``: what the ``padded`` kind computes in. ``varlen_fn``, ``sdpa_fn``:
+    stand-ins for ``varlen_attn`` and for the one-backend SDPA call of the ``flash`` and
+    ``cudnn`` kinds (``fn(q, k, v, is_causal, scale, enable_gqa)``), for tests on machines
+    without the kernels. ``decode_batches`` counts the decode calls by their batch size
+    (rows of one SDPA group, or of the decode varlen call): the batch size the kernels'
+    split heuristics saw."""
 
     def __init__(self, n_layers: int, n_q_heads: int, n_kv_heads: int, head_dim: int, scale: float = 0.0,
                  dtype=torch.bfloat16, compute_dtype=torch.float32, device="cpu", kind: str = "padded",
-                 varlen_fn: Optional[Callable] = None):
-        if kind not in ("padded", "varlen"):
-            raise ValueError(f"kind {kind!r} is not padded or varlen")
+                 varlen_fn: Optional[Callable] = None, sdpa_fn: Optional[Callable] = None):
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         self.n_layers, self.hq, self.hkv, self.d = n_layers, n_q_heads, n_kv_heads, head_dim
         self.scale = scale or 1.0 / math.sqrt(head_dim)
         self.dtype, self.compute_dtype, self.device, self.kind = dtype, compute_dtype, torch.device(device), kind
-        self.name = "torch" if kind == "padded" else "torch-varlen"
+        self.name = "torch" if kind == "padded" else "torch-" + kind
         self.sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
         self.info: Dict[str, Any] = {"kind": kind, "torch": torch.__version__, "device": str(self.device)}
+        self.decode_batches: Dict[int, int] = {}
+        # Calls ("all", "prefill", "decode") whose kernel refused kv heads as they are (GQA):
+        # from the first refusal on, they get the kv heads repeated.
+        self._gqa_off: set = set()
         if kind == "padded":
             self.info["kernel"] = "sdpa" if self.sdpa is not None else "matmul-softmax"
             self.info["compute_dtype"] = str(compute_dtype).replace("torch.", "")
-        else:
-            fn = varlen_fn or _torch_varlen()
+        if kind in ("varlen", "varlen-decode"):
+            self._init_varlen(varlen_fn)
+            self.info["gqa"] = "native"
+        if kind in ("flash", "cudnn"):
+            fn = sdpa_fn or sdpa_backend(kind)
             if fn is None:
-                raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
-            if varlen_fn is None and self.device.type != "cuda":
-                raise RuntimeError("varlen_attn is flash attention: CUDA only")
-            self._varlen = fn
-            params = inspect.signature(fn).parameters if _has_signature(fn) else {}
-            self._varlen_kw: Dict[str, Any] = {}
-            if "window_size" in params:
-                self._varlen_kw["window_size"] = (-1, 0)  # a tuple: varlen_attn compares with (-1, 0)
-            elif "is_causal" in params:
-                self._varlen_kw["is_causal"] = True
-            else:
-                raise RuntimeError("varlen_attn takes neither window_size nor is_causal: unknown version")
-            if "scale" in params:
-                self._varlen_kw["scale"] = self.scale
-            elif abs(self.scale - 1.0 / math.sqrt(head_dim)) > 1e-12:
-                raise RuntimeError("this varlen_attn has no scale argument and the scale is not 1/sqrt(head_dim)")
-            if "enable_gqa" in params:
-                self._varlen_kw["enable_gqa"] = True
-            self._gqa_native = True  # kv heads as they are (flash handles GQA); else repeated
-            self.info["kernel"] = "varlen_attn"
-            self.info["varlen_args"] = sorted(self._varlen_kw)
+                raise RuntimeError(f"torch {torch.__version__} cannot restrict SDPA to one backend "
+                                   "(torch.nn.attention.sdpa_kernel, torch >= 2.3)")
+            if sdpa_fn is None and self.device.type != "cuda":
+                raise RuntimeError(f"SDPA's {kind} backend is CUDA only")
+            self._decode_fn = fn
+            self.info["kernel"] = f"sdpa {kind} (decode), sdpa (prefill)"
+
+    def _init_varlen(self, varlen_fn: Optional[Callable]) -> None:
+        fn = varlen_fn or _torch_varlen()
+        if fn is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.varlen (torch >= 2.10)")
+        if varlen_fn is None and self.device.type != "cuda":
+            raise RuntimeError("varlen_attn is flash attention: CUDA only")
+        self._varlen = fn
+        params = inspect.signature(fn).parameters if _has_signature(fn) else {}
+        self._varlen_kw: Dict[str, Any] = {}
+        if "window_size" in params:
+            self._varlen_kw["window_size"] = (-1, 0)  # a tuple: varlen_attn compares with (-1, 0)
+        elif "is_causal" in params:
+            self._varlen_kw["is_causal"] = True
+        else:
+            raise RuntimeError("varlen_attn takes neither window_size nor is_causal: unknown version")
+        if "scale" in params:
+            self._varlen_kw["scale"] = self.scale
+        elif abs(self.scale - 1.0 / math.sqrt(self.d)) > 1e-12:
+            raise RuntimeError("this varlen_attn has no scale argument and the scale is not 1/sqrt(head_dim)")
+        if "enable_gqa" in params:
+            self._varlen_kw["enable_gqa"] = True
+        self.info["kernel"] = "varlen_attn" + (" (prefill and decode apart)" if self.kind == "varlen-decode" else "")
+        self.info["varlen_args"] = sorted(self._varlen_kw)
 
     def new_seq(self):
         return _TorchSeq(self.n_layers)
@@ -251,14 +373,71 @@ class TorchAttention(AttentionBackend):
         seq.k = seq.v = None
 
     def attend(self, layer, q, k, v, segments):
+        kd, vd = k.to(self.dtype).to(self.device), v.to(self.dtype).to(self.device)
         for s in segments:  # write before attend
             if s.pos != s.seq.length[layer]:
                 raise ValueError(f"position {s.pos} is not the layer's length {s.seq.length[layer]}")
-            s.seq.append(layer, k[s.start:s.start + s.n].to(self.dtype).to(self.device),
-                         v[s.start:s.start + s.n].to(self.dtype).to(self.device))
+            s.seq.append(layer, kd[s.start:s.start + s.n], vd[s.start:s.start + s.n])
+        if self.kind == "padded":
+            return self._attend_padded(layer, q, segments)
+        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32, device=q.device)
         if self.kind == "varlen":
-            return self._attend_varlen(layer, q, segments)
-        return self._attend_padded(layer, q, segments)
+            self._attend_varlen(layer, q, segments, o)
+            return o
+        prefill = [s for s in segments if s.n > 1]
+        decode = [s for s in segments if s.n == 1]
+        if self.kind == "varlen-decode":
+            if decode:
+                self.decode_batches[len(decode)] = self.decode_batches.get(len(decode), 0) + 1
+            for part, what in ((prefill, "prefill"), (decode, "decode")):
+                if part:
+                    self._attend_varlen(layer, q, part, o, what)
+            return o
+        for part, is_decode in ((prefill, False), (decode, True)):
+            for group in _equal_length_groups(part, layer):
+                self._attend_group(layer, q, group, o, is_decode)
+        return o
+
+    def _sdpa_gqa(self, what, fn, q, k, v, is_causal):
+        """One SDPA call of q [G, Hq, n, d] over k, v [G, Hkv, L, d]: kv heads as they are
+        (enable_gqa) where the kernel takes them, else (from its first refusal on, for
+        ``what``: "prefill" or "decode") repeated."""
+        if what not in self._gqa_off:
+            try:
+                return fn(q, k, v, is_causal, self.scale, True)
+            except (RuntimeError, TypeError, ValueError) as e:
+                self._gqa_off.add(what)
+                self.info[f"gqa_{what}"] = f"kv heads repeated ({str(e).splitlines()[0][:120]})"
+        g = self.hq // self.hkv
+        return fn(q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), is_causal, self.scale, False)
+
+    def _prefill_sdpa(self, q, k, v, is_causal, scale, enable_gqa):
+        """Prefill chunks: torch SDPA as torch picks its backend (an explicit bottom-right
+        mask where the chunk does not start at position 0), else matmul-softmax."""
+        n, L = q.shape[2], k.shape[2]
+        if self.sdpa is None:
+            return sdpa_reference(q.float(), k.float(), v.float(), is_causal, scale).to(q.dtype)
+        kw = {"enable_gqa": True} if enable_gqa else {}
+        if is_causal and n != L:
+            mask = torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
+            return self.sdpa(q, k, v, attn_mask=mask, scale=scale, **kw)
+        return self.sdpa(q, k, v, is_causal=is_causal, scale=scale, **kw)
+
+    def _attend_group(self, layer, q, group, o, is_decode):
+        dev = self.device
+        # [G, H, len, d] contiguous, as a serving stack's SDPA call gets them.
+        Q = torch.stack([q[s.start:s.start + s.n].transpose(0, 1) for s in group]).to(self.dtype).to(dev)
+        kv = [s.seq.keys(layer) for s in group]
+        K = torch.stack([x[0].transpose(0, 1) for x in kv])
+        V = torch.stack([x[1].transpose(0, 1) for x in kv])
+        if is_decode:
+            self.decode_batches[len(group)] = self.decode_batches.get(len(group), 0) + 1
+            O = self._sdpa_gqa("decode", self._decode_fn, Q, K, V, False)
+        else:
+            O = self._sdpa_gqa("prefill", self._prefill_sdpa, Q, K, V, True)
+        O = O.transpose(1, 2).to(self.dtype).float().to(o.device)
+        for i, s in enumerate(group):
+            o[s.start:s.start + s.n] = O[i]
 
     def _attend_padded(self, layer, q, segments):
         B = len(segments)
@@ -287,12 +466,14 @@ class TorchAttention(AttentionBackend):
             S = torch.matmul(Q, K.transpose(-1, -2)) * self.scale
             S = S.masked_fill(~mask, float("-inf"))
             O = torch.matmul(torch.softmax(S, dim=-1), V)
-        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32)
+        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32, device=q.device)
         for b, s in enumerate(segments):
-            o[s.start:s.start + s.n] = O[b, :, :s.n].transpose(0, 1).to(self.dtype).float().cpu()
+            o[s.start:s.start + s.n] = O[b, :, :s.n].transpose(0, 1).to(self.dtype).float().to(q.device)
         return o
 
-    def _attend_varlen(self, layer, q, segments):
+    def _attend_varlen(self, layer, q, segments, o, what="all"):
+        """One varlen_attn call over ``segments``, written into o's rows (``what``: which
+        calls a refusal of GQA heads applies to from then on)."""
         dev = self.device
         Q = torch.cat([q[s.start:s.start + s.n] for s in segments]).to(self.dtype).to(dev).contiguous()
         ks, vs = zip(*(s.seq.keys(layer) for s in segments))
@@ -302,24 +483,31 @@ class TorchAttention(AttentionBackend):
         cu_q = torch.tensor([0] + _cumsum(nq), dtype=torch.int32, device=dev)
         cu_k = torch.tensor([0] + _cumsum(nk), dtype=torch.int32, device=dev)
         O = None
-        if self._gqa_native:
+        if what not in self._gqa_off:
             try:
                 O = self._varlen(Q, K, V, cu_q, cu_k, max(nq), max(nk), **self._varlen_kw)
             except (RuntimeError, ValueError) as e:  # a version that wants equal head counts
-                self._gqa_native = False
-                self.info["gqa"] = f"kv heads repeated ({str(e).splitlines()[0][:120]})"
+                self._gqa_off.add(what)
+                self.info["gqa" if what == "all" else f"gqa_{what}"] = \
+                    f"kv heads repeated ({str(e).splitlines()[0][:120]})"
         if O is None:
             g = self.hq // self.hkv
             O = self._varlen(Q, K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1), cu_q, cu_k, max(nq),
                              max(nk), **self._varlen_kw)
-        self.info.setdefault("gqa", "native")
-        O = O.to(self.dtype).float().cpu()
-        o = torch.zeros(q.shape[0], self.hq, self.d, dtype=torch.float32)
+        O = O.to(self.dtype).float().to(o.device)
         off = 0
         for s in segments:
             o[s.start:s.start + s.n] = O[off:off + s.n]
             off += s.n
-        return o
+
+
+def _equal_length_groups(segments: List[Segment], layer: int) -> List[List[Segment]]:
+    """Segments with the same new-token count and KV length, in order of first appearance:
+    what one unmasked SDPA call can take."""
+    groups: Dict[Tuple[int, int], List[Segment]] = {}
+    for s in segments:
+        groups.setdefault((s.n, s.seq.length[layer]), []).append(s)
+    return list(groups.values())
 
 
 def _has_signature(fn) -> bool:

@@ -213,7 +213,7 @@ def test_close_waits_for_calls_in_flight(url):
         assert c2.stats().sequences == 0
 
 
-def test_async_errors_and_planes_not_built(url):
+def test_async_errors(url):
     rng = np.random.default_rng(2)
     with detattn.Client(url) as c, c.seq_open() as s:
         call = c.forward_async(0, [SeqIO(s, 3, rand(rng, 2, 4, 64), rand(rng, 2, 2, 64), rand(rng, 2, 2, 64))])
@@ -221,9 +221,6 @@ def test_async_errors_and_planes_not_built(url):
             with pytest.raises(detattn.FailedPrecondition):
                 call.result()
         assert s.length == 0
-    with pytest.raises(detattn.Unimplemented) as e:
-        detattn.Client(url, data_plane="cuda")
-    assert e.value.code == 12 and "CUDA" in e.value.message
 
 
 def test_import_without_numpy_or_torch(url, tmp_path):

@@ -234,3 +234,139 @@ def test_varlen_packing_against_the_padded_path_and_detattn(url):
     if not torch.cuda.is_available():  # the real kernel: CUDA (and torch >= 2.10) only
         with pytest.raises(RuntimeError):
             TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind="varlen")
+
+
+def test_flash_and_cudnn_kinds_decode_in_equal_length_groups(url):
+    """kind="flash"/"cudnn": the decode rows (one new token) of a step go to the one-backend
+    SDPA call in groups of equal KV length, [G, Hq, 1, d] over [G, Hkv, L, d] (GQA heads as
+    they are, no mask); prefill chunks go apart (causal). Checked with a float64 stand-in
+    for the CUDA kernel against detattn; "varlen-decode" puts all decode rows in one
+    varlen_attn call with max_seqlen_q 1."""
+    seen, vseen = [], []
+
+    def sdpa_fn(q, k, v, is_causal, scale, enable_gqa):
+        seen.append((tuple(q.shape), tuple(k.shape), is_causal, enable_gqa))
+        return detattn.torch.sdpa_reference(q, k, v, is_causal, scale)
+
+    def varlen_fn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        vseen.append((len(cu_q) - 1, max_q, max_k))
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    g = torch.Generator().manual_seed(23)
+    # Requests 0 and 1 prefill 9 tokens together, 2 prefills 5; then three decode steps
+    # (0 and 1 share a length, 2 is shorter); request 3 joins with a prefill meanwhile.
+    steps = [[(0, 9), (1, 9), (2, 5)], [(0, 1), (1, 1), (2, 1), (3, 6)], [(0, 1), (1, 1), (2, 1), (3, 1)],
+             [(0, 1), (2, 1), (3, 1)]]
+    data = [[(rows(g, n, 4), rows(g, n, 2), rows(g, n, 2)) for _, n in st] for st in steps]
+    outs = {}
+    with detattn.Client(url) as c:
+        backends = {"detattn": DetattnAttention(c),
+                    "flash": TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind="flash",
+                                            sdpa_fn=sdpa_fn),
+                    "varlen-decode": TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim,
+                                                    kind="varlen-decode", varlen_fn=varlen_fn)}
+        for name, be in backends.items():
+            t = SequenceTable(be)
+            for r in range(4):
+                t.open(r)
+            res = []
+            for st, d in zip(steps, data):
+                b = t.batch(st)
+                res.append(Attention(0)(*(torch.cat([x[i] for x in d]) for i in range(3)), b))
+                t.commit(b)
+            outs[name] = torch.cat(res)
+            for r in range(4):
+                t.close(r)
+    # Decode groups by KV length: {0, 1} at 10 keys, {2} at 6; {0, 1} at 11, {2, 3} at 7 (3 has
+    # caught up: 6 prefilled + 1); {0} at 12, {2, 3} at 8.
+    assert seen == [((2, 4, 1, 64), (2, 2, 10, 64), False, True), ((1, 4, 1, 64), (1, 2, 6, 64), False, True),
+                    ((2, 4, 1, 64), (2, 2, 11, 64), False, True), ((2, 4, 1, 64), (2, 2, 7, 64), False, True),
+                    ((1, 4, 1, 64), (1, 2, 12, 64), False, True), ((2, 4, 1, 64), (2, 2, 8, 64), False, True)]
+    assert backends["flash"].decode_batches == {2: 4, 1: 2}
+    assert vseen == [(3, 9, 9), (1, 6, 6), (3, 1, 10), (4, 1, 11), (3, 1, 12)]  # prefill and decode apart
+    assert backends["varlen-decode"].decode_batches == {3: 2, 4: 1}
+    for name in ("flash", "varlen-decode"):
+        err = (outs[name] - outs["detattn"]).abs().max() / outs["detattn"].abs().max()
+        assert err < 2e-2, (name, float(err))
+    if not torch.cuda.is_available():  # the real kernels: CUDA only
+        for kind in ("flash", "cudnn"):
+            with pytest.raises(RuntimeError):
+                TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, kind=kind)
+
+
+def test_model_rows_in_fixed_chunks_are_batch_invariant(model):
+    """linear() in fixed chunks of C rows: a row's bits do not depend on how many rows the
+    step has (the GPU setting of the repro's model)."""
+    from detattn.model import linear
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(300, CFG.dim, generator=g)
+    w = model.layers[0].w1
+    for rows in (1, 8, 64):
+        alone = linear(x[:1], w, rows)
+        for T in (2, 19, 64, 65, 300):
+            assert torch.equal(linear(x[:T], w, rows)[0], alone[0]), (rows, T)
+
+
+def test_engine_whole_chunks_wait_for_room(model):
+    """whole_chunks: a prefill chunk that does not fit the step's remaining budget waits for
+    the next step instead of being cut (a burst of equal prompts then prefills together)."""
+    ta = TorchAttention(CFG.n_layers, CFG.n_heads, CFG.n_kv_heads, CFG.head_dim)
+    eng = Engine(model, ta, max_batch_tokens=100, prefill_chunk=64, whole_chunks=True)
+    a = eng.add(Request(list(range(1, 61)), 2))
+    b = eng.add(Request(list(range(2, 62)), 2))
+    eng.step()
+    assert (a.done_prompt, b.done_prompt) == (60, 0)  # b's 60 tokens did not fit the 40 left
+    eng.step()
+    assert b.done_prompt == 60 and eng.steps == 2
+    big = eng.add(Request(list(range(1, 151)), 1, prefill_chunk=150))  # could never fit: cut
+    while big.done_prompt < 150:
+        eng.step()
+    assert eng.decode_tokens >= 2
+
+
+def test_repro_stream_workload_and_probe(url, tmp_path):
+    """The stream workload (targets among bursts joining and leaving) through detattn and
+    torch: the same batches for every path, one completion through detattn, also from two
+    processes; the GPU-only paths are skipped with a reason. The probe: detattn's row is
+    the same bits at every batch size."""
+    out = tmp_path / "s.json"
+    rc = repro_main(["--url", url, "--workload", "stream", "--samples", "5", "--max-new", "6", "--prompt-len", "40",
+                     "--burst", "4", "--running", "8", "--paths", "detattn,torch,torch-flash", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0
+    d, t = r["paths"]["detattn"], r["paths"]["torch"]
+    assert d["distinct_completions"] == 1 and d["distinct_logit_traces"] == 1 and d["two_processes_equal"] is True
+    assert d["samples"] == t["samples"] == 5 and d["engine_steps"] == t["engine_steps"]
+    assert d["engine_tokens"] == t["engine_tokens"] and len(d["completion_0"]) == 6
+    assert "torch-flash" in r["skipped"] and d["attention"]["forwards"]["host"] > 0
+    p = tmp_path / "p.json"
+    assert repro_main(["--probe", "--url", url, "--prompt-len", "40", "--probe-batches", "1,2,3,6",
+                       "--json", str(p)]) == 0
+    pr = json.loads(p.read_text())
+    det = [x for x in pr["rows"].values() if x["kernel"] == "detattn"]
+    assert len(det) == 2 and all(x["differs_at"] == [] for x in det)
+    assert [x["context"] for x in det] == [40, 41]
+    assert any(x["kernel"].startswith("model matmul, one row") and x["differs_at"] == [] for x in pr["rows"].values())
+
+
+def test_probe_varlen_kernel_packs_rows():
+    """The probe's varlen_attn call: one query row per sequence, each over its own keys
+    (equal or mixed lengths), kv heads as they are; checked with the float64 stand-in."""
+    from detattn.probe import _mixed_lengths, _varlen_kernel
+
+    def new_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                enable_gqa=False):
+        assert window_size == (-1, 0) and enable_gqa and max_q == 1 and k.shape[1] == 2
+        return varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, 1 / math.sqrt(q.shape[-1]))
+
+    g = torch.Generator().manual_seed(41)
+    q, k, v = torch.randn(5, 4, 1, 64, generator=g), torch.randn(5, 2, 45, 64, generator=g), \
+        torch.randn(5, 2, 45, 64, generator=g)
+    for lens in ([45] * 5, _mixed_lengths(5, 30)):
+        out = _varlen_kernel(new_api, None if lens[1] == 45 else lambda B: _mixed_lengths(B, 30))(q, k, v)
+        assert max(lens) <= 45 and min(lens) >= 15
+        for b in range(5):
+            want = detattn.torch.sdpa_reference(q[b:b + 1], k[b:b + 1, :, :lens[b]], v[b:b + 1, :, :lens[b]], False,
+                                                1 / 8)
+            assert torch.allclose(out[b], want[0], atol=1e-5)
+    assert _mixed_lengths(4, 30)[0] == 30 and _mixed_lengths(4, 30) == _mixed_lengths(4, 30)
