@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -232,7 +233,7 @@ int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **repl
       return DETATTN_DEADLINE_EXCEEDED;
     }
     if (now < until) {
-      for (int i = 0; i < 32; i++) da_cpu_relax();
+      sched_yield(); /* on a busy machine the daemon's threads run first */
       continue;
     }
     /* Dekker with the daemon's reply: it publishes DONE, then reads waiting. */

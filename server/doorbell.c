@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -211,6 +212,7 @@ static void on_idle(uv_idle_t *h) {
   }
   if (db->active == NULL) uv_idle_stop(&db->idle);
   if (took) db->cfg.scanned(db->cfg.arg);
+  else sched_yield(); /* spinning: let the worker or a client run first on a busy machine */
 }
 
 /* The client rang: drain the eventfd (never blocking: RWF_NOWAIT, whatever the client did to
