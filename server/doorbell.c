@@ -90,8 +90,8 @@ static void on_ring_closed(uv_handle_t *h) {
 static void deactivate(da_doorbell *db, da_ring *r) {
   if (!r->active) return;
   da_ring **pp = &db->active;
-  while (*pp != r) pp = &(*pp)->anext;
-  *pp = r->anext;
+  while (*pp && *pp != r) pp = &(*pp)->anext;
+  if (*pp) *pp = r->anext;
   r->anext = NULL;
   r->active = 0;
 }
@@ -191,24 +191,32 @@ static void on_idle(uv_idle_t *h) {
   da_doorbell *db = (da_doorbell *)((char *)h - offsetof(da_doorbell, idle));
   uint64_t now = da_now_ns(), spin = (uint64_t)db->cfg.spin_us * 1000u;
   int took = 0;
-  for (da_ring **pp = &db->active; *pp;) {
-    da_ring *r = *pp;
+  /* Detached while it is walked: a request taken may activate rings (they join db->active). */
+  da_ring *list = db->active;
+  db->active = NULL;
+  while (list) {
+    da_ring *r = list;
+    list = r->anext;
+    r->anext = NULL;
+    if (r->state != READY) {
+      r->active = 0;
+      continue;
+    }
     int n = scan(db, r);
     uint64_t quiet = now > r->active_ns ? now - r->active_ns : 0;
-    if (n == 0 && quiet >= spin) {
+    if (n == 0 && quiet >= spin && r->state == READY) {
       __atomic_store_n(&r->hdr->sleeping, 1, __ATOMIC_SEQ_CST);
       n = scan(db, r);
-      if (n == 0) {
-        *pp = r->anext;
-        r->anext = NULL;
-        r->active = 0;
-        continue;
-      }
-      __atomic_store_n(&r->hdr->sleeping, 0, __ATOMIC_SEQ_CST);
+      if (n > 0) __atomic_store_n(&r->hdr->sleeping, 0, __ATOMIC_SEQ_CST);
     }
     if (n > 0) r->active_ns = now;
     took += n;
-    pp = &r->anext;
+    if (r->state == READY && (n > 0 || quiet < spin)) {
+      r->anext = db->active;
+      db->active = r;
+    } else {
+      r->active = 0;
+    }
   }
   if (db->active == NULL) uv_idle_stop(&db->idle);
   if (took) db->cfg.scanned(db->cfg.arg);

@@ -118,7 +118,7 @@ static void spin_for_work(da_worker *w) {
   uint64_t until = da_now_ns() + w->spin_ns;
   pthread_mutex_unlock(&w->mu);
   while (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) == seen && !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
-    sched_yield(); /* a 2-core machine: whoever has work runs first */
+    sched_yield(); /* whoever has work runs first */
     if (da_now_ns() >= until) break;
   }
   pthread_mutex_lock(&w->mu);
