@@ -73,6 +73,14 @@ static void teardown(void) {
   nng_fini();
 }
 
+/* SIGTERM: the daemon drains and exits 0 (under ASan, with its leak check: every ring
+ * unmapped, every route answered). */
+static void stop_clean(void) {
+  ck_assert_int_eq(kill(D.pid, SIGTERM), 0);
+  ck_assert_msg(da_daemon_wait(&D, 15000) == 0, "the daemon did not exit after SIGTERM");
+  ck_assert_msg(WIFEXITED(D.exit_status) && WEXITSTATUS(D.exit_status) == 0, "exit status 0x%x", D.exit_status);
+}
+
 /* One series of the daemon's /metrics. */
 static double metric(const char *series) {
   int status = 0;
@@ -288,6 +296,7 @@ START_TEST(doorbell_gives_the_bits_of_nng_and_of_the_copy_plane) {
                   (unsigned long long)seed);
   }
   for (int i = 0; i < 3; i++) free(w[i].p);
+  stop_clean();
 }
 END_TEST
 
@@ -374,6 +383,7 @@ START_TEST(many_threads_share_one_doorbell_client) {
   detattn_close(c);
   expect_empty(ref, "after the threads");
   detattn_close(ref);
+  stop_clean();
 }
 END_TEST
 
@@ -770,6 +780,7 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   ck_assert_int_eq(metric("detattn_doorbell_rings"), 0);
   detattn_close(c);
   rring_free(&g);
+  stop_clean();
 }
 END_TEST
 
@@ -843,6 +854,7 @@ START_TEST(a_client_killed_with_doorbell_calls_in_flight_leaves_nothing_behind) 
   detattn_close(c);
   close(go[1]);
   close(ready[0]);
+  stop_clean();
 }
 END_TEST
 
@@ -895,6 +907,7 @@ START_TEST(a_doorbell_call_past_its_deadline_fails_and_its_slot_comes_back) {
   detattn_client *cc = connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 20000);
   expect_empty(cc, "after the timeouts");
   detattn_close(cc);
+  stop_clean();
 }
 END_TEST
 
