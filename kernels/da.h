@@ -101,5 +101,14 @@ void da_rng_fill(da_rng *r, da_dtype t, void *dst, size_t n, double stddev);
 
 /* Monotonic clock in nanoseconds. */
 uint64_t da_now_ns(void);
+/* A hint inside a bounded spin-wait loop (x86 pause, arm yield): lets the sibling hardware
+ * thread run and eases the memory traffic of the spin. */
+static inline void da_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
 
 #endif /* DA_H */

@@ -34,9 +34,15 @@ static void pipe_removed(nng_pipe p, nng_pipe_ev ev, void *arg) {
   pthread_mutex_lock(&c->mu);
   c->have_info = 0;
   c->arena_id = 0; /* the daemon dropped it with the connection, and its CUDA regions */
+  da_ring *r = c->ring; /* and the doorbell ring: its calls in flight will not be answered */
+  c->ring = NULL;
   c->conn_gen++;
   c->cuda_plane = 0;
   pthread_mutex_unlock(&c->mu);
+  if (r) {
+    da_ring_lost(r, DETATTN_UNAVAILABLE);
+    da_ring_unref(r);
+  }
 }
 
 DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *o) {
@@ -46,6 +52,8 @@ DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *o) {
   o->data_plane = DETATTN_PLANE_AUTO;
   o->arena_bytes = (uint64_t)256 << 20;
   o->timeout_ms = DA_CLIENT_DEFAULT_TIMEOUT_MS;
+  o->doorbell = DETATTN_DOORBELL_AUTO;
+  o->doorbell_spin_us = DA_CLIENT_DEFAULT_DOORBELL_SPIN_US;
 }
 
 DETATTN_API const char *detattn_data_plane_name(detattn_data_plane p) {
@@ -64,6 +72,14 @@ DETATTN_API detattn_data_plane detattn_data_plane_get(detattn_client *c) {
   int p = c->plane;
   pthread_mutex_unlock(&c->mu);
   return (detattn_data_plane)p;
+}
+
+DETATTN_API detattn_doorbell detattn_doorbell_get(detattn_client *c) {
+  if (!c) return DETATTN_DOORBELL_OFF;
+  pthread_mutex_lock(&c->mu);
+  int on = c->ring != NULL;
+  pthread_mutex_unlock(&c->mu);
+  return on ? DETATTN_DOORBELL_ON : DETATTN_DOORBELL_OFF;
 }
 
 DETATTN_API void *detattn_arena_alloc(detattn_client *c, size_t bytes) {
@@ -157,6 +173,11 @@ DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const 
     if (o.data_plane < DETATTN_PLANE_AUTO || o.data_plane > DETATTN_PLANE_CUDA)
       return da_err(DETATTN_INVALID_ARGUMENT, "connect: unknown data plane %d", (int)o.data_plane);
     if (o.arena_bytes == 0) o.arena_bytes = (uint64_t)256 << 20;
+    if (o.doorbell < DETATTN_DOORBELL_AUTO || o.doorbell > DETATTN_DOORBELL_ON)
+      return da_err(DETATTN_INVALID_ARGUMENT, "connect: unknown doorbell mode %d", (int)o.doorbell);
+    if (o.doorbell_spin_us < 0 || o.doorbell_spin_us > 1000000)
+      return da_err(DETATTN_INVALID_ARGUMENT, "connect: doorbell_spin_us %d is not in [0, 1000000]",
+                    o.doorbell_spin_us);
   }
   if (!out || !url) return da_err(DETATTN_INVALID_ARGUMENT, "connect: out and url must not be NULL");
   *out = NULL;
@@ -219,7 +240,14 @@ DETATTN_API void detattn_close(detattn_client *c) {
   if (!c) return;
   pthread_mutex_lock(&c->mu);
   c->closing = 1;
+  da_ring *r = c->ring;
+  c->ring = NULL;
   pthread_mutex_unlock(&c->mu);
+  /* Doorbell calls waiting hold their own reference to the ring: they fail CANCELLED. */
+  if (r) {
+    da_ring_lost(r, DETATTN_CANCELLED);
+    da_ring_unref(r);
+  }
   /* Closing the socket completes every outstanding aio (NNG_ECLOSED); wait until their
    * callbacks have left the in-flight list, so no callback touches the client after. */
   nng_close(c->sock);
@@ -402,7 +430,23 @@ static void call_cb(void *arg) {
   finish(k, DETATTN_OK, m, NULL);
 }
 
-int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_call **out) {
+/* Puts call k's request into a slot of the client's doorbell ring. 1 when it went there. */
+static int ring_start(detattn_client *c, detattn_call *k, nng_msg *msg, size_t reply_max) {
+  pthread_mutex_lock(&c->mu);
+  da_ring *r = c->closing ? NULL : c->ring;
+  if (r) da_ring_ref(r);
+  k->deadline = c->timeout_ms > 0 ? da_now_ns() + (uint64_t)c->timeout_ms * 1000000u : 0;
+  pthread_mutex_unlock(&c->mu);
+  if (!r) return 0;
+  if (da_ring_start(r, nng_msg_body(msg), nng_msg_len(msg), reply_max, &k->ring_slot) != DETATTN_OK) {
+    da_ring_unref(r);
+    return 0;
+  }
+  k->ring = r;
+  return 1;
+}
+
+int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, size_t reply_max, detattn_call **out) {
   detattn_call *k;
   int rv, st;
 
@@ -416,6 +460,11 @@ int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_
   k->op = op;
   if (pthread_mutex_init(&k->mu, NULL) != 0) goto fail_mu;
   if (pthread_cond_init(&k->cv, NULL) != 0) goto fail_cv;
+  if (reply_max > 0 && ring_start(c, k, msg, reply_max)) {
+    nng_msg_free(msg);
+    *out = k;
+    return DETATTN_OK;
+  }
   if ((rv = nng_ctx_open(&k->ctx, c->sock)) != 0) {
     st = da_err(rv == NNG_ECLOSED ? DETATTN_CANCELLED : DETATTN_INTERNAL, "nng_ctx_open: %s", nng_strerror(rv));
     goto fail_ctx;
@@ -464,6 +513,12 @@ fail_ctx:
 }
 
 int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
+  if (k->ring) {
+    char msg[200];
+    int st = da_ring_wait(k->ring, k->ring_slot, k->deadline, reply, msg, sizeof msg);
+    k->ring_waited = 1;
+    return st == DETATTN_OK ? DETATTN_OK : da_err(st, "%s", msg);
+  }
   pthread_mutex_lock(&k->mu);
   while (!k->done) pthread_cond_wait(&k->cv, &k->mu);
   int st = k->status;
@@ -477,9 +532,14 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
 void da_call_free(detattn_call *k) {
   if (!k) return;
   if (k->client && (k->cu_evp || k->cu_bufs)) da_cuda_call_end(k->client, k, DETATTN_CANCELLED);
-  /* nng_aio_free waits for a callback still returning from finish(). */
-  nng_aio_free(k->aio);
-  nng_ctx_close(k->ctx);
+  if (k->ring) {
+    if (!k->ring_waited) da_ring_abandon(k->ring, k->ring_slot);
+    da_ring_unref(k->ring);
+  } else {
+    /* nng_aio_free waits for a callback still returning from finish(). */
+    nng_aio_free(k->aio);
+    nng_ctx_close(k->ctx);
+  }
   if (k->reply) nng_msg_free(k->reply);
   pthread_cond_destroy(&k->cv);
   pthread_mutex_destroy(&k->mu);

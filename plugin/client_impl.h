@@ -6,10 +6,14 @@
  *   ops.c     the operations: protobuf encode, decode and response checks (protobuf
  *             types never leave ops.c).
  *
+ *   doorbell.c the same-host doorbell: a shared-memory request ring (proto/doorbell_ring.h);
+ *   plane_shm.c the shared-memory arena and the side socket hand-over.
+ *
  * A call's life: da_call_start (takes a packed request) -> the aio sends it on the call's
- * own context, then receives the reply -> da_call_wait returns the reply bytes, or the
- * transport status with a message. Calls are independent: any number may be in flight
- * from any threads.
+ * own context, then receives the reply; or, when the client has a doorbell ring and the
+ * request and its largest reply fit a slot, the request goes into a slot instead -> da_call_wait
+ * returns the reply bytes, or the transport status with a message. Calls are independent:
+ * any number may be in flight from any threads.
  */
 #ifndef DA_CLIENT_IMPL_H
 #define DA_CLIENT_IMPL_H
@@ -26,6 +30,8 @@
 /* The largest reply message the client accepts from any daemon (NNG_OPT_RECVMAXSZ); each
  * call also checks its reply against the most its request can produce. */
 #define DA_CLIENT_MAX_REPLY_BYTES ((size_t)256 << 20)
+/* A doorbell call spins this long for its reply before it sleeps (detattn_connect_opts). */
+#define DA_CLIENT_DEFAULT_DOORBELL_SPIN_US 50
 /* Replies other than Forward's (hello, stats, sequence ops) are small. */
 #define DA_CLIENT_SMALL_REPLY_BYTES ((size_t)1 << 20)
 
@@ -109,6 +115,41 @@ int da_ops_register_cuda(detattn_client *c, int event, const void *handle, size_
                          uint32_t *id);
 int da_ops_unregister(detattn_client *c, uint32_t id);
 
+/* Sends fds (n_fds, at most 4) with {magic, id, token} over the side socket at path and
+ * waits for the daemon's status byte; what names the thing handed over in messages. */
+int da_side_handover(const char *path, uint32_t magic, uint32_t id, uint64_t token, const int *fds, int n_fds,
+                     int timeout_ms, const char *what);
+
+/* The doorbell ring (doorbell.c): a sealed memfd of slots, mapped here and in the daemon,
+ * and the eventfd that wakes the daemon. Reference-counted: the client holds one while the
+ * ring is its connection's, each call in a slot one more. Any thread. */
+typedef struct da_ring da_ring;
+/* A ring of slots slots with request_bytes / reply_bytes areas (proto/doorbell_ring.h
+ * bounds); a call spins spin_us for its reply before it sleeps. One reference. */
+int da_ring_create(da_ring **out, uint32_t slots, uint32_t request_bytes, uint32_t reply_bytes, int spin_us);
+/* The ring's geometry and size, for RegisterArena. */
+void da_ring_geometry(const da_ring *r, uint32_t *slots, uint32_t *request_bytes, uint32_t *reply_bytes,
+                      uint64_t *size);
+/* Hands the memfd and the eventfd to the daemon for ring id with token (da_side_handover). */
+int da_ring_handover(const da_ring *r, const char *path, uint32_t id, uint64_t token, int timeout_ms);
+void da_ring_ref(da_ring *r);
+/* Drops a reference; the last one unmaps the ring and closes its descriptors. NULL: no-op. */
+void da_ring_unref(da_ring *r);
+/* The connection dropped (status UNAVAILABLE) or the client is closing (CANCELLED): no slot
+ * in flight will be answered. Calls waiting or starting on the ring fail with status. */
+void da_ring_lost(da_ring *r, int status);
+/* Claims a slot for a request of len bytes whose reply is at most reply_max bytes, copies the
+ * request in, publishes it and wakes the daemon if it sleeps. DETATTN_OK and *slot, or
+ * DETATTN_RESOURCE_EXHAUSTED when it does not fit or no slot is free (send it over nng). */
+int da_ring_start(da_ring *r, const void *req, size_t len, size_t reply_max, uint32_t *slot);
+/* Waits for slot's reply until deadline_ns (da_now_ns; 0: none). DETATTN_OK and *reply (a
+ * copy, owned by the caller), or DEADLINE_EXCEEDED (the slot is reclaimed once the daemon
+ * answers), UNAVAILABLE / CANCELLED after da_ring_lost, INTERNAL for a reply past the slot;
+ * the message in msg. The slot is the ring's again afterwards. */
+int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **reply, char *msg, size_t msglen);
+/* A started call that will not be waited for: its slot is reclaimed once answered. */
+void da_ring_abandon(da_ring *r, uint32_t slot);
+
 /* What a call does once its reply is in: the request kind, and for Forward the caller's
  * output buffers (copied from detattn_seq_io at start). With the shm plane, outputs the
  * daemon wrote by reference (o_ref, lse_ref) are copied from the arena scratch blocks o_tmp,
@@ -148,6 +189,10 @@ struct detattn_call {
   da_cuda_evp *cu_evp;
   uint32_t *cu_bufs;
   size_t n_cu_bufs;
+  /* A doorbell call (no nng context or aio then): the ring (a reference) and the slot. */
+  da_ring *ring;
+  uint32_t ring_slot;
+  int ring_waited; /* da_ring_wait returned: the slot is no longer the call's */
 };
 
 struct detattn_client {
@@ -171,9 +216,13 @@ struct detattn_client {
   uint32_t arena_id;        /* the daemon's id for the arena on this connection; 0: none */
   char arena_path[256];     /* from the Hello */
   da_arena arena;
-  uint64_t conn_gen;        /* under mu: bumped each time the connection drops */
   int cuda_plane;           /* under mu: the daemon of this connection offers the cuda plane */
   da_cuda_state cuda;       /* under plane_mu */
+  /* the doorbell, under mu (set up under plane_mu) */
+  int doorbell_offered;     /* the last Hello offered one */
+  da_ring *ring;            /* this connection's ring (a reference), NULL: none */
+  unsigned conn_gen;        /* connections dropped so far: a ring set up across a drop, or a CUDA
+                             * registration, is stale */
 };
 
 /* Sets this thread's error message (printf-style) and returns status, for one-line
@@ -181,9 +230,11 @@ struct detattn_client {
 int da_err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Starts a call: takes ownership of msg (a packed Request whose id is `id`, from
- * da_client_next_id) in every case. On success *out is the call, owned by the caller
- * until da_call_wait. */
-int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, detattn_call **out);
+ * da_client_next_id) in every case. reply_max: the largest reply the request can get when
+ * that is small enough for a doorbell slot (then the call goes through the client's ring
+ * when it has one and a slot is free), 0: over nng. On success *out is the call, owned by
+ * the caller until da_call_wait. */
+int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, size_t reply_max, detattn_call **out);
 /* Waits for the transport to finish. On DETATTN_OK *reply is the reply message, owned by
  * the caller. Does not free the call. */
 int da_call_transport_wait(detattn_call *k, nng_msg **reply);

@@ -9,6 +9,26 @@
 typedef Detattn__V1__Request Request;
 typedef Detattn__V1__Response Response;
 
+/* The largest reply rq can get when it is small enough for a doorbell slot, else 0: sequence
+ * ops and stats, and Forwards whose outputs all travel by reference (then a reply is a status
+ * of at most a few hundred bytes and an empty output per sequence). */
+static size_t doorbell_reply_max(const Request *rq) {
+  switch (rq->op_case) {
+  case DETATTN__V1__REQUEST__OP_SEQ_OPEN:
+  case DETATTN__V1__REQUEST__OP_SEQ_FORK:
+  case DETATTN__V1__REQUEST__OP_SEQ_TRUNCATE:
+  case DETATTN__V1__REQUEST__OP_SEQ_CLOSE: return 1024;
+  case DETATTN__V1__REQUEST__OP_STATS: return 4096;
+  case DETATTN__V1__REQUEST__OP_FORWARD: {
+    const Detattn__V1__Forward *f = rq->forward;
+    for (size_t i = 0; i < f->n_seqs; i++)
+      if (!f->seqs[i]->o_ref || (f->want_lse && !f->seqs[i]->lse_ref)) return 0;
+    return 1024 + 8 * f->n_seqs;
+  }
+  default: return 0;
+  }
+}
+
 /* Packs rq (its id is assigned here) into a message and starts the call. */
 static int start_request(detattn_client *c, Request *rq, detattn_call **out) {
   nng_msg *m;
@@ -19,7 +39,7 @@ static int start_request(detattn_client *c, Request *rq, detattn_call **out) {
   if ((rv = nng_msg_alloc(&m, len)) != 0)
     return da_err(DETATTN_RESOURCE_EXHAUSTED, "cannot allocate a %zu-byte request: %s", len, nng_strerror(rv));
   detattn__v1__request__pack(rq, nng_msg_body(m));
-  return da_call_start(c, m, rq->id, (int)rq->op_case, out);
+  return da_call_start(c, m, rq->id, (int)rq->op_case, doorbell_reply_max(rq), out);
 }
 
 /* The result case a request's op is answered with: Response's oneof numbers are the
@@ -206,8 +226,80 @@ static int arena_register(detattn_client *c) {
   return DETATTN_OK;
 }
 
+/* The doorbell ring's geometry: 64 calls in flight, requests of up to 64 KiB (a Forward by
+ * reference of several hundred sequences), replies of up to 8 KiB. The memfd is sparse:
+ * only the pages calls touch take memory. */
+#define RING_SLOTS 64
+#define RING_REQUEST_BYTES (64u << 10)
+#define RING_REPLY_BYTES (8u << 10)
+
+/* Registers a doorbell ring on this connection and hands it over; it becomes the client's
+ * unless the connection dropped meanwhile (gen changed: the daemon forgot it). */
+static int ring_register(detattn_client *c, const char *path, int timeout, unsigned gen) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
+  Detattn__V1__DoorbellRing g = DETATTN__V1__DOORBELL_RING__INIT;
+  da_ring *r;
+  reply x;
+  int st;
+
+  if ((st = da_ring_create(&r, RING_SLOTS, RING_REQUEST_BYTES, RING_REPLY_BYTES, c->opts.doorbell_spin_us)) !=
+      DETATTN_OK)
+    return st;
+  da_ring_geometry(r, &g.slots, &g.request_bytes, &g.reply_bytes, &ra.size);
+  ra.doorbell = &g;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = &ra;
+  if ((st = roundtrip(c, &rq, &x)) == DETATTN_OK) {
+    uint32_t id = x.r->register_arena->arena;
+    uint64_t token = x.r->register_arena->token;
+    reply_free(&x);
+    st = da_ring_handover(r, path, id, token, timeout);
+  }
+  if (st == DETATTN_OK) {
+    pthread_mutex_lock(&c->mu);
+    if (c->conn_gen == gen && !c->closing && !c->ring) {
+      c->ring = r;
+      r = NULL;
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+  da_ring_unref(r);
+  return st;
+}
+
+/* After the plane: the doorbell ring, once per connection (doorbell.c). AUTO uses it when
+ * the daemon offers one and the plane is not copy, and goes on over nng when it cannot be
+ * set up; ON fails the call (FAILED_PRECONDITION) without it; OFF never sets one up. */
+static int doorbell_setup(detattn_client *c) {
+  detattn_doorbell want = c->opts.doorbell;
+  if (want == DETATTN_DOORBELL_OFF) return DETATTN_OK;
+  pthread_mutex_lock(&c->plane_mu);
+  pthread_mutex_lock(&c->mu);
+  int have = c->ring != NULL, offered = c->doorbell_offered && c->arena_path[0], plane = c->plane;
+  unsigned gen = c->conn_gen;
+  int timeout = c->timeout_ms;
+  char path[256];
+  snprintf(path, sizeof path, "%s", c->arena_path);
+  pthread_mutex_unlock(&c->mu);
+  int st = DETATTN_OK;
+  if (!have && (want == DETATTN_DOORBELL_ON || plane != DETATTN_PLANE_COPY)) {
+    if (!offered)
+      st = da_err(DETATTN_FAILED_PRECONDITION, "the daemon at %s offers no doorbell (it needs ipc:// with the "
+                  "shared-memory plane and --doorbell 1)", c->url);
+    else
+      st = ring_register(c, path, timeout, gen);
+    if (st != DETATTN_OK && want == DETATTN_DOORBELL_AUTO) st = DETATTN_OK;
+    else if (st != DETATTN_OK && st != DETATTN_FAILED_PRECONDITION)
+      st = da_err(DETATTN_FAILED_PRECONDITION, "doorbell: %s", detattn_errmsg());
+  }
+  pthread_mutex_unlock(&c->plane_mu);
+  return st;
+}
+
 /* After a Hello: sets up the plane asked for, once per connection. AUTO falls back to copy
- * (and says why in the error message of nothing: the call goes on); SHM fails the call. */
+ * (and says why in the error message of nothing: the call goes on); SHM fails the call. Then
+ * the doorbell (doorbell_setup). */
 static int plane_setup(detattn_client *c, const detattn_server_info *info) {
   detattn_data_plane want = c->opts.data_plane;
   int cuda = (info->data_planes & (1u << DETATTN_PLANE_CUDA)) != 0;
@@ -218,7 +310,7 @@ static int plane_setup(detattn_client *c, const detattn_server_info *info) {
     return da_err(DETATTN_FAILED_PRECONDITION,
                   "the daemon at %s offers no cuda plane (it needs --backend cuda and an ipc:// listener)", c->url);
   if (want == DETATTN_PLANE_CUDA) want = DETATTN_PLANE_AUTO; /* host tensors: shm where offered */
-  if (want == DETATTN_PLANE_COPY) return DETATTN_OK;
+  if (want == DETATTN_PLANE_COPY) return doorbell_setup(c);
   pthread_mutex_lock(&c->plane_mu);
   pthread_mutex_lock(&c->mu);
   int have = c->arena_id != 0;
@@ -240,6 +332,7 @@ static int plane_setup(detattn_client *c, const detattn_server_info *info) {
     }
   }
   pthread_mutex_unlock(&c->plane_mu);
+  if (st == DETATTN_OK) st = doorbell_setup(c);
   return st;
 }
 
@@ -293,6 +386,7 @@ DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
   if (st == DETATTN_OK) {
     pthread_mutex_lock(&c->mu);
     snprintf(c->arena_path, sizeof c->arena_path, "%s", x.r->hello->arena_path ? x.r->hello->arena_path : "");
+    c->doorbell_offered = x.r->hello->doorbell;
     pthread_mutex_unlock(&c->mu);
   }
   reply_free(&x);

@@ -135,43 +135,49 @@ int da_arena_offset(const da_arena *a, const void *p, size_t len, uint64_t *off)
   return 1;
 }
 
-int da_arena_handover(const da_arena *a, const char *path, uint32_t id, uint64_t token, int timeout_ms) {
+int da_side_handover(const char *path, uint32_t magic, uint32_t id, uint64_t token, const int *fds, int n_fds,
+                     int timeout_ms, const char *what) {
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  if (strlen(path) >= sizeof sa.sun_path) return da_err(DETATTN_INTERNAL, "arena side socket path too long: %s", path);
+  if (n_fds < 1 || n_fds > 4) return da_err(DETATTN_INTERNAL, "handing %s over: %d descriptors", what, n_fds);
+  if (strlen(path) >= sizeof sa.sun_path) return da_err(DETATTN_INTERNAL, "side socket path too long: %s", path);
   memcpy(sa.sun_path, path, strlen(path) + 1);
   int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (s < 0 || connect(s, (struct sockaddr *)&sa, sizeof sa) != 0) {
     int e = errno;
     if (s >= 0) close(s);
-    return da_err(DETATTN_UNAVAILABLE, "arena side socket %s: %s", path, strerror(e));
+    return da_err(DETATTN_UNAVAILABLE, "side socket %s: %s", path, strerror(e));
   }
   uint8_t msg[16];
-  uint32_t magic = SIDE_MAGIC;
   memcpy(msg, &magic, 4);
   memcpy(msg + 4, &id, 4);
   memcpy(msg + 8, &token, 8);
   union {
     struct cmsghdr h;
-    char b[CMSG_SPACE(sizeof(int))];
+    char b[CMSG_SPACE(4 * sizeof(int))];
   } ctl;
   memset(&ctl, 0, sizeof ctl);
   struct iovec iov = {.iov_base = msg, .iov_len = sizeof msg};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
+  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
+                     .msg_controllen = CMSG_SPACE((size_t)n_fds * sizeof(int))};
   struct cmsghdr *c = CMSG_FIRSTHDR(&m);
   c->cmsg_level = SOL_SOCKET;
   c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &a->fd, sizeof(int));
+  c->cmsg_len = CMSG_LEN((size_t)n_fds * sizeof(int));
+  memcpy(CMSG_DATA(c), fds, (size_t)n_fds * sizeof(int));
   if (sendmsg(s, &m, MSG_NOSIGNAL) != (ssize_t)sizeof msg) {
     int e = errno;
     close(s);
-    return da_err(DETATTN_UNAVAILABLE, "handing the arena over: %s", strerror(e));
+    return da_err(DETATTN_UNAVAILABLE, "handing %s over: %s", what, strerror(e));
   }
   struct pollfd pf = {.fd = s, .events = POLLIN};
   uint8_t code = 0xff;
   int got = poll(&pf, 1, timeout_ms > 0 ? timeout_ms : 5000) == 1 && read(s, &code, 1) == 1;
   close(s);
-  if (!got) return da_err(DETATTN_UNAVAILABLE, "no answer from the arena side socket %s", path);
-  if (code != 0) return da_err(code, "the daemon refused the arena (%s; see its log)", detattn_status_name(code));
+  if (!got) return da_err(DETATTN_UNAVAILABLE, "no answer from the side socket %s", path);
+  if (code != 0) return da_err(code, "the daemon refused %s (%s; see its log)", what, detattn_status_name(code));
   return DETATTN_OK;
+}
+
+int da_arena_handover(const da_arena *a, const char *path, uint32_t id, uint64_t token, int timeout_ms) {
+  return da_side_handover(path, SIDE_MAGIC, id, token, &a->fd, 1, timeout_ms, "the arena");
 }

@@ -94,6 +94,15 @@ static const setting table[] = {
      "no shared-memory or cuda plane"},
     {"cuda-event-timeout-ms", T_INT, F(cuda_event_timeout_ms), 1, 1 << 30, NULL, "10000",
      "cuda plane: a Forward whose wait_event has not completed after this many ms is answered DEADLINE_EXCEEDED"},
+    {"doorbell", T_INT, F(doorbell), 0, 1, NULL, "1",
+     "offer same-host clients a doorbell: requests through a shared-memory ring instead of nng (ipc:// with "
+     "the shared-memory plane); 0: off"},
+    {"doorbell-spin-us", T_INT, F(doorbell_spin_us), 0, 100000, NULL, "50",
+     "doorbell: the loop scans a ring every turn for this long after its last request or reply, then sleeps "
+     "until the client rings its eventfd; 0: sleep at once"},
+    {"worker-spin-us", T_INT, F(worker_spin_us), -1, 100000, NULL, "-1",
+     "the backend worker spins (yielding) this long for its next batch before it sleeps; 0: sleep at once; "
+     "-1: 20 with 8 or more online CPUs, else 0"},
     {"tls-cert", T_STR, F(tls_cert), 0, 0, NULL, "", "tls+tcp: the daemon's certificate (PEM, may hold the chain)"},
     {"tls-key", T_STR, F(tls_key), 0, 0, NULL, "", "tls+tcp: the daemon's private key (PEM)"},
     {"tls-ca", T_STR, F(tls_ca), 0, 0, NULL, "",

@@ -50,6 +50,9 @@ typedef struct da_config {
   int64_t max_arena_bytes;
   int max_arenas;
   int cuda_event_timeout_ms;
+  int doorbell;          /* offer the same-host doorbell (ipc:// with the shared-memory plane) */
+  int doorbell_spin_us;  /* loop: scan active doorbell rings this long after their last activity */
+  int worker_spin_us;    /* worker: wait this long for the next batch spinning before sleeping; -1: auto */
   char ipc_mode[16];       /* octal permissions of the ipc socket */
   char tls_cert[DA_CONFIG_STR_MAX], tls_key[DA_CONFIG_STR_MAX], tls_ca[DA_CONFIG_STR_MAX];
   int insecure_tcp;        /* tcp:// on a non-loopback address without TLS was asked for */

@@ -16,6 +16,7 @@
 #include "backend.h"
 #include "hist.h"
 #include "config.h"
+#include "doorbell.h"
 #include "http.h"
 #include "kvcache.h"
 #include "metrics.h"
@@ -33,6 +34,17 @@
 
 typedef struct request request;
 typedef struct seq_slot seq_slot;
+
+/* Where a request's reply goes: an nng context (ctx), or the slot of a doorbell ring it was
+ * taken from (ring). Consumed by the one da_ops_send_reply that answers it. */
+typedef struct da_route {
+  da_tctx *ctx;
+  da_ring *ring;
+  uint32_t slot;
+} da_route;
+
+/* Requests by transport, for metrics. */
+enum { DA_VIA_NNG = 0, DA_VIA_DOORBELL = 1, DA_VIAS };
 
 /* A client in the quota sense: every connection of one peer process (ipc) or address (tcp)
  * (da_peer.principal). Quotas count here, so opening more connections buys nothing. */
@@ -75,7 +87,7 @@ struct seq_slot {
 };
 
 struct request {
-  da_tctx *ctx;
+  da_route route;
   client *cl;
   da_wire_request w;
   uint64_t recv_ns;
@@ -113,6 +125,7 @@ typedef struct da_daemon {
   da_worker *worker;
   da_transport *tr;
   da_planes *planes;
+  da_doorbell *doorbell; /* NULL: not offered (not ipc, no side socket, or --doorbell 0) */
   da_sched_batch bufs[DA_WORKER_MAX];
   int buf_busy[DA_WORKER_MAX]; /* handed to the worker, not yet taken back */
   int n_running;               /* batches in the worker */
@@ -144,6 +157,7 @@ typedef struct da_daemon {
   da_http *http;
   uint64_t op_codes[DA_OP_COUNT][DA_METRICS_CODES]; /* replies by op and status code */
   uint64_t tensor_bytes[DA_METRICS_PLANES][2];      /* admitted Forwards: [plane][in, out] */
+  uint64_t via[DA_VIAS];                            /* replies by the transport of their request */
   uint64_t busy_ns, busy_since;                     /* time with a batch in the worker */
 } da_daemon;
 
@@ -168,9 +182,10 @@ void da_daemon_summary_get(const da_hist *h, double scale, da_wire_summary *out)
 /* ---- ops.c ---- */
 
 /* Counts the reply in the stats (the daemon's and, when not NULL, client c's, with the time
- * since recv_ns) and sends it on ctx (nothing is sent once the transport is closed). Does
+ * since recv_ns) and sends it by route: on its nng context, or into its doorbell slot
+ * (nothing is sent once the transport or the doorbell is closed). Consumes the route; does
  * not take resp. */
-void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t recv_ns,
+void da_ops_send_reply(da_daemon *d, client *c, const da_route *route, da_op op, uint64_t recv_ns,
                        const da_wire_response *resp);
 /* Answers r with code and msg and frees r. */
 void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg);

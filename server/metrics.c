@@ -120,6 +120,17 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
       put(&b, "detattn_requests_total{op=\"%s\",code=\"%s\"} %llu\n", da_op_name((da_op)op), detattn_status_name(c),
           (unsigned long long)n);
     }
+  head(&b, "detattn_requests_by_transport_total", "counter",
+       "Requests answered, by the transport that carried them: nng, or a same-host doorbell ring.");
+  put(&b, "detattn_requests_by_transport_total{transport=\"nng\"} %llu\n", (unsigned long long)s->requests_nng);
+  put(&b, "detattn_requests_by_transport_total{transport=\"doorbell\"} %llu\n",
+      (unsigned long long)s->requests_doorbell);
+  head(&b, "detattn_doorbell_rings", "gauge", "Doorbell rings mapped (one per connection that uses one).");
+  put(&b, "detattn_doorbell_rings %lld\n", (long long)s->doorbell_rings);
+  head(&b, "detattn_doorbell_wakeups_total", "counter",
+       "Times a client woke a sleeping doorbell ring through its eventfd (requests that found the loop "
+       "scanning needed none).");
+  put(&b, "detattn_doorbell_wakeups_total %llu\n", (unsigned long long)s->doorbell_wakeups);
   head(&b, "detattn_request_duration_seconds", "histogram",
        "Time from a request's receipt to its reply, by op (queueing and batching included).");
   for (int op = 1; op < DA_OP_COUNT; op++) {

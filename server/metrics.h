@@ -71,6 +71,9 @@ typedef struct da_metrics_snapshot {
   uint64_t arena_bytes;
   da_transport_counts conn;
   uint64_t tensor_bytes[DA_METRICS_PLANES][2]; /* [plane][0: in (q, k, v), 1: out (o, lse)] */
+  uint64_t requests_nng, requests_doorbell;    /* answered, by the transport that carried them */
+  int64_t doorbell_rings;                      /* doorbell rings mapped */
+  uint64_t doorbell_wakeups;                   /* eventfd wake-ups of sleeping rings */
   /* device */
   uint64_t busy_ns;  /* time with a batch in the backend, since start */
   uint64_t now_ns;   /* da_now_ns() when the snapshot was taken */

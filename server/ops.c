@@ -35,9 +35,10 @@ void da_ops_request_free(da_daemon *d, request *r) {
   }
 }
 
-void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t recv_ns,
+void da_ops_send_reply(da_daemon *d, client *c, const da_route *route, da_op op, uint64_t recv_ns,
                        const da_wire_response *resp) {
   d->requests++;
+  d->via[route->ring ? DA_VIA_DOORBELL : DA_VIA_NNG]++;
   if (recv_ns) da_hist_record(&d->op_ns[op], da_now_ns() - recv_ns);
   if (c) {
     c->requests++;
@@ -55,12 +56,16 @@ void da_ops_send_reply(da_daemon *d, client *c, da_tctx *ctx, da_op op, uint64_t
     da_log_debug("request %llu (%s): %s: %s", (unsigned long long)resp->id, da_op_name(op),
                  detattn_status_name(resp->code), resp->message ? resp->message : "");
   }
-  if (d->tr) da_transport_reply(d->tr, ctx, resp);
+  if (route->ring) {
+    if (d->doorbell) da_doorbell_reply(d->doorbell, route->ring, route->slot, resp);
+  } else if (d->tr) {
+    da_transport_reply(d->tr, route->ctx, resp);
+  }
 }
 
 void da_ops_reply_error(da_daemon *d, request *r, int code, const char *msg) {
   da_wire_response resp = {.id = r->w.id, .code = code, .message = msg};
-  da_ops_send_reply(d, r->cl, r->ctx, r->w.op, r->recv_ns, &resp);
+  da_ops_send_reply(d, r->cl, &r->route, r->w.op, r->recv_ns, &resp);
   da_ops_request_free(d, r);
 }
 
@@ -68,7 +73,7 @@ static void reply_ok(da_daemon *d, request *r, da_wire_response *resp) {
   resp->id = r->w.id;
   resp->code = 0;
   resp->op = r->w.op;
-  da_ops_send_reply(d, r->cl, r->ctx, r->w.op, r->recv_ns, resp);
+  da_ops_send_reply(d, r->cl, &r->route, r->w.op, r->recv_ns, resp);
   da_ops_request_free(d, r);
 }
 
@@ -94,6 +99,7 @@ static int op_hello(da_daemon *d, request *r) {
       .max_sequences = (uint32_t)d->max_seqs,
       .data_planes = da_planes_names(d->planes),
       .arena_path = da_planes_arena_path(d->planes),
+      .doorbell = d->doorbell != NULL,
   };
   da_log_debug("hello from client %u (%s), protocol %u", r->cl->id, r->w.client_name, r->w.protocol_version);
   da_wire_response resp = {.hello = &h};
@@ -444,10 +450,21 @@ static int op_forward(da_daemon *d, request *r) {
 }
 
 static int op_register_arena(da_daemon *d, request *r) {
-  char err[200];
+  char err[240];
   da_wire_response resp = {0};
-  int rv = da_planes_register(d->planes, r->cl->id, &r->cl->peer, r->w.arena_size, &resp.arena, &resp.token, err,
-                              sizeof err);
+  const da_wire_request *w = &r->w;
+  int rv;
+  if (w->ring && d->doorbell == NULL) {
+    snprintf(err, sizeof err, "this daemon offers no doorbell (it needs an ipc:// listener with the shared-memory "
+             "plane, and --doorbell 1)");
+    rv = DETATTN_FAILED_PRECONDITION;
+  } else if (w->ring) {
+    rv = da_doorbell_register(d->doorbell, r->cl->id, &r->cl->peer, w->arena_size, w->ring_slots,
+                              w->ring_request_bytes, w->ring_reply_bytes, &resp.arena, &resp.token, err, sizeof err);
+  } else {
+    rv = da_planes_register(d->planes, r->cl->id, &r->cl->peer, w->arena_size, &resp.arena, &resp.token, err,
+                            sizeof err);
+  }
   if (rv != 0) {
     da_ops_reply_error(d, r, rv, err);
     return 1;

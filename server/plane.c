@@ -133,7 +133,7 @@ static void side_close(side *s) {
 }
 
 static void side_answer(side *s, uint8_t code, const char *why) {
-  if (why) da_log_warn("arena hand-over from pid %d uid %u refused: %s", s->pid, s->uid, why);
+  if (why) da_log_warn("hand-over from pid %d uid %u refused: %s", s->pid, s->uid, why);
   ssize_t n = send(s->fd, &code, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   (void)n;
   side_close(s);
@@ -204,21 +204,22 @@ static void on_side(uv_poll_t *h, int status, int events) {
   uint8_t buf[16];
   union {
     struct cmsghdr h;
-    char b[CMSG_SPACE(sizeof(int))];
+    char b[CMSG_SPACE(DA_PLANES_SIDE_FDS * sizeof(int))];
   } ctl;
   struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
   struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
   ssize_t n = recvmsg(s->fd, &m, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
   if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
-  int fd = -1;
+  int fds[DA_PLANES_SIDE_FDS], n_fds = 0;
   for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && c->cmsg_len >= CMSG_LEN(sizeof(int))) {
-      int fds[4];
+      int got[DA_PLANES_SIDE_FDS];
       size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      memcpy(fds, CMSG_DATA(c), (k > 4 ? 4 : k) * sizeof(int));
-      for (size_t i = 0; i < k && i < 4; i++) {
-        if (fd < 0) fd = fds[i];
-        else close(fds[i]);
+      if (k > DA_PLANES_SIDE_FDS) k = DA_PLANES_SIDE_FDS;
+      memcpy(got, CMSG_DATA(c), k * sizeof(int));
+      for (size_t i = 0; i < k; i++) {
+        if (n_fds < DA_PLANES_SIDE_FDS) fds[n_fds++] = got[i];
+        else close(got[i]);
       }
     }
   uint32_t magic, id;
@@ -226,12 +227,21 @@ static void on_side(uv_poll_t *h, int status, int events) {
   memcpy(&magic, buf, 4);
   memcpy(&id, buf + 4, 4);
   memcpy(&token, buf + 8, 8);
-  if (n != (ssize_t)sizeof buf || magic != SIDE_MAGIC || fd < 0 || (m.msg_flags & MSG_CTRUNC)) {
-    if (fd >= 0) close(fd);
+  int bad = n != (ssize_t)sizeof buf || n_fds == 0 || (m.msg_flags & MSG_CTRUNC);
+  if (!bad && magic != SIDE_MAGIC && s->p->cfg.handover) {
+    char why[300] = "";
+    int code = s->p->cfg.handover(s->p->cfg.handover_arg, magic, id, token, s->pid, s->uid, fds, n_fds, why,
+                                  sizeof why);
+    side_answer(s, (uint8_t)code, code != 0 ? why : NULL);
+    return;
+  }
+  if (bad || magic != SIDE_MAGIC) {
+    for (int i = 0; i < n_fds; i++) close(fds[i]);
     side_answer(s, DETATTN_INVALID_ARGUMENT, "malformed hand-over message");
     return;
   }
-  side_deliver(s, id, token, fd);
+  for (int i = 1; i < n_fds; i++) close(fds[i]);
+  side_deliver(s, id, token, fds[0]);
 }
 
 static void on_accept(uv_poll_t *h, int status, int events) {

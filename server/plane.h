@@ -48,7 +48,18 @@ typedef struct da_planes_cfg {
   /* Optional: a device backend; arenas are then mapped for its kernels, and with an ipc
    * path the cuda plane is offered. */
   da_backend *be;
+  /* Optional: hand-overs on the side socket of another kind than arenas (a first word other
+   * than "DAAR"; doorbell.h): called with the message's magic, id and token, the sender's
+   * pid and uid (SO_PEERCRED) and the descriptors it carried (up to DA_PLANES_SIDE_FDS),
+   * which the callee owns from the call on. Returns the status byte to answer; on refusal
+   * it writes why (logged). Without it such hand-overs are refused. */
+  int (*handover)(void *arg, uint32_t magic, uint32_t id, uint64_t token, int32_t pid, uint32_t uid, int *fds,
+                  int n_fds, char *why, size_t whylen);
+  void *handover_arg;
 } da_planes_cfg;
+
+/* Most descriptors one side socket message may carry (more are closed). */
+#define DA_PLANES_SIDE_FDS 4
 
 /* Opens the planes: the side socket when ipc_path is set. On failure writes err. */
 int da_planes_open(da_planes **out, const da_planes_cfg *cfg, char *err, size_t errlen);

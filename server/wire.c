@@ -224,6 +224,13 @@ int da_wire_decode(const da_wire_limits *lim, const void *buf, size_t len, da_wi
   case DETATTN__V1__REQUEST__OP_REGISTER_ARENA:
     r->op = DA_OP_REGISTER_ARENA;
     r->arena_size = m->register_arena->size;
+    if (m->register_arena->doorbell) {
+      const Detattn__V1__DoorbellRing *g = m->register_arena->doorbell;
+      r->ring = 1;
+      r->ring_slots = g->slots;
+      r->ring_request_bytes = g->request_bytes;
+      r->ring_reply_bytes = g->reply_bytes;
+    }
     return 0;
   case DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA:
     r->op = DA_OP_UNREGISTER_ARENA;
@@ -323,6 +330,7 @@ int da_wire_encode(const da_wire_response *r, void *(*alloc)(void *arg, size_t s
       for (const char *const *p = h->data_planes; p && *p; p++) hr.n_data_planes++;
       hr.data_planes = (char **)h->data_planes;
       hr.arena_path = (char *)(h->arena_path ? h->arena_path : "");
+      hr.doorbell = h->doorbell != 0;
       resp.result_case = DETATTN__V1__RESPONSE__RESULT_HELLO;
       resp.hello = &hr;
       break;

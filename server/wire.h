@@ -77,6 +77,10 @@ typedef struct da_wire_request {
   /* register_arena (size), unregister_arena (arena) */
   uint64_t arena_size;
   uint32_t arena;
+  /* register_arena.doorbell: a doorbell ring of this geometry instead of an arena
+   * (proto/doorbell_ring.h; checked by the doorbell module, not here) */
+  int ring;
+  uint32_t ring_slots, ring_request_bytes, ring_reply_bytes;
   /* register_cuda: the handle (in the decoded message), buffer size (arena_size), event */
   const void *cuda_handle;
   size_t cuda_handle_len;
@@ -129,6 +133,7 @@ typedef struct da_wire_hello_reply {
   uint32_t max_sequences;
   const char *const *data_planes; /* NULL-terminated */
   const char *arena_path;
+  int doorbell; /* a doorbell ring may be registered (proto/doorbell_ring.h) */
 } da_wire_hello_reply;
 
 typedef struct da_wire_stats_reply {

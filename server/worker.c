@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -35,6 +36,8 @@ struct da_worker {
   int n_ready; /* ready notifications not yet used by a finish */
   int owed;    /* finishes done without their notification: absorb it when it comes */
   uint64_t fail_from, n_submitted;
+  uint64_t spin_ns; /* idle: spin this long for the next batch before sleeping (set before any submit) */
+  unsigned handed;  /* batches handed over, ever: written under mu, read atomically by the spin */
 };
 
 static slot *at(da_worker *w, int i) { return &w->slots[(w->head + i) % DA_WORKER_MAX]; }
@@ -107,14 +110,30 @@ static void deadline(struct timespec *ts, int ms) {
   if (ts->tv_nsec >= 1000000000L) ts->tv_sec++, ts->tv_nsec -= 1000000000L;
 }
 
+/* Called and returns with w->mu held, which it drops meanwhile: waits up to spin_ns for a
+ * batch to be handed over (or stop) without sleeping, so that the next layer's batch, handed
+ * over a few microseconds after this one finished, costs no futex wake-up. Bounded. */
+static void spin_for_work(da_worker *w) {
+  unsigned seen = w->handed;
+  uint64_t until = da_now_ns() + w->spin_ns;
+  pthread_mutex_unlock(&w->mu);
+  while (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) == seen && !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
+    sched_yield(); /* whoever has work runs first */
+    if (da_now_ns() >= until) break;
+  }
+  pthread_mutex_lock(&w->mu);
+}
+
 /* Submits every queued batch as soon as it arrives (so its staging overlaps the running
  * batch), and finishes the oldest submitted one once the backend says it is ready. */
 static void *run(void *p) {
   da_worker *w = p;
+  int spun = 0; /* spun since the last batch: the next idle wait sleeps */
   pthread_mutex_lock(&w->mu);
   for (;;) {
     slot *q = first(w, QUEUED);
     if (q != NULL) {
+      spun = 0;
       do_submit(w, q);
       continue;
     }
@@ -136,6 +155,11 @@ static void *run(void *p) {
       continue;
     }
     if (w->stop) break;
+    if (w->spin_ns > 0 && !spun) {
+      spun = 1;
+      spin_for_work(w);
+      continue;
+    }
     pthread_cond_wait(&w->cv, &w->mu);
   }
   pthread_mutex_unlock(&w->mu);
@@ -172,13 +196,19 @@ fail_mu:
 void da_worker_stop(da_worker *w) {
   if (w == NULL) return;
   pthread_mutex_lock(&w->mu);
-  w->stop = 1;
+  __atomic_store_n(&w->stop, 1, __ATOMIC_RELEASE);
   pthread_cond_signal(&w->cv);
   pthread_mutex_unlock(&w->mu);
   pthread_join(w->thread, NULL);
   pthread_cond_destroy(&w->cv);
   pthread_mutex_destroy(&w->mu);
   free(w);
+}
+
+void da_worker_set_spin(da_worker *w, int spin_us) {
+  pthread_mutex_lock(&w->mu);
+  w->spin_ns = spin_us > 0 ? (uint64_t)spin_us * 1000u : 0;
+  pthread_mutex_unlock(&w->mu);
 }
 
 void da_worker_fail_from(da_worker *w, uint64_t n) {
@@ -204,6 +234,7 @@ void da_worker_submit(da_worker *w, const da_batch *b, void *tag) {
     s->batch = b;
     s->tag = tag;
     s->state = QUEUED;
+    __atomic_store_n(&w->handed, w->handed + 1, __ATOMIC_RELEASE);
     pthread_cond_signal(&w->cv);
   }
   pthread_mutex_unlock(&w->mu);

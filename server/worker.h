@@ -9,9 +9,9 @@
  * da_worker_take returns them in that order. On a backend without submit/finish the
  * fallback runs each batch in finish(), one at a time, as before.
  *
- * Thread: da_worker_submit, da_worker_take, da_worker_count and da_worker_fail_from are
- * called from the loop thread only. The done callback runs on the worker thread; it must
- * only wake the loop (uv_async_send).
+ * Thread: da_worker_submit, da_worker_take, da_worker_count, da_worker_set_spin and
+ * da_worker_fail_from are called from the loop thread only. The done callback runs on the
+ * worker thread; it must only wake the loop (uv_async_send).
  */
 #ifndef DA_WORKER_H
 #define DA_WORKER_H
@@ -29,6 +29,9 @@ int da_worker_start(da_worker **out, da_backend *be, void (*done)(void *arg), vo
  * no-op. */
 void da_worker_stop(da_worker *w);
 
+/* Idle, the worker spins up to spin_us for the next batch before it sleeps on its condition
+ * variable (once per idle period; 0: never). Call before the first submit. */
+void da_worker_set_spin(da_worker *w, int spin_us);
 /* Tests only: batch n (counting from 1 in hand-over order) and every later one are not
  * given to the backend; they come back with DETATTN_UNAVAILABLE "injected device failure",
  * as a sticky device error would. 0: off. Call before the first submit. */

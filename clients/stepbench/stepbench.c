@@ -25,7 +25,7 @@
 #include "hist.h"
 
 typedef struct opts {
-  const char *url, *json, *plane;
+  const char *url, *json, *plane, *doorbell;
   int batch, context, steps, warmup, prefill_chunk, micro, layers, mlp_us;
   uint64_t seed;
 } opts;
@@ -40,6 +40,7 @@ static void usage(FILE *f) {
           "  --prefill-chunk C    prefill chunk in tokens (default 512)\n"
           "  --layers N           layers driven (default: the model's)\n"
           "  --data-plane P       copy|shm|cuda|auto (default auto)\n"
+          "  --doorbell D         auto|on|off: the same-host doorbell for per-layer calls (default auto)\n"
           "  --micro-batches M    1, or 2 halves in ping-pong (default 1)\n"
           "  --mlp-us U           simulated MLP busy time per layer for the whole batch (default 0)\n"
           "  --seed S             input seed (default 1)\n"
@@ -48,11 +49,12 @@ static void usage(FILE *f) {
 
 static int parse(int argc, char **argv, opts *o) {
   *o = (opts){.batch = 8, .context = 1024, .steps = 50, .warmup = 5, .prefill_chunk = 512, .micro = 1,
-              .plane = "auto", .seed = 1};
+              .plane = "auto", .doorbell = "auto", .seed = 1};
   static const struct option lo[] = {
       {"url", 1, 0, 'u'},    {"batch", 1, 0, 'b'},         {"context", 1, 0, 'c'},       {"steps", 1, 0, 's'},
       {"warmup", 1, 0, 'w'}, {"prefill-chunk", 1, 0, 'p'}, {"layers", 1, 0, 'l'},        {"data-plane", 1, 0, 'd'},
       {"micro-batches", 1, 0, 'm'}, {"mlp-us", 1, 0, 'M'}, {"seed", 1, 0, 'S'},         {"json", 1, 0, 'j'},
+      {"doorbell", 1, 0, 'D'},
       {"help", 0, 0, 'h'},   {0, 0, 0, 0}};
   int ch;
   while ((ch = getopt_long(argc, argv, "", lo, NULL)) != -1) {
@@ -65,6 +67,7 @@ static int parse(int argc, char **argv, opts *o) {
     case 'p': o->prefill_chunk = atoi(optarg); break;
     case 'l': o->layers = atoi(optarg); break;
     case 'd': o->plane = optarg; break;
+    case 'D': o->doorbell = optarg; break;
     case 'm': o->micro = atoi(optarg); break;
     case 'M': o->mlp_us = atoi(optarg); break;
     case 'S': o->seed = strtoull(optarg, NULL, 10); break;
@@ -232,6 +235,14 @@ int main(int argc, char **argv) {
     fprintf(stderr, "detattn-step-bench: --data-plane %s is not copy, shm, cuda or auto\n", o->plane);
     return 2;
   }
+  static const char *const bells[] = {"auto", "off", "on"};
+  co.doorbell = (detattn_doorbell)-1;
+  for (int i = 0; i < 3; i++)
+    if (strcmp(o->doorbell, bells[i]) == 0) co.doorbell = (detattn_doorbell)i;
+  if ((int)co.doorbell < 0) {
+    fprintf(stderr, "detattn-step-bench: --doorbell %s is not auto, on or off\n", o->doorbell);
+    return 2;
+  }
   int chunk_rows = o->prefill_chunk * o->batch;
   detattn_server_info info;
   int st = detattn_connect_ex(&x.c, o->url, &co);
@@ -274,18 +285,20 @@ int main(int argc, char **argv) {
   for (int i = 0; i < o->warmup + o->steps && st == DETATTN_OK; i++) st = step(&x, i >= o->warmup);
   if (st != DETATTN_OK) return 1;
   const char *plane = detattn_data_plane_name(x.cuda ? DETATTN_PLANE_CUDA : detattn_data_plane_get(x.c));
+  int bell = detattn_doorbell_get(x.c) == DETATTN_DOORBELL_ON;
   double pre_tps = (double)o->batch * o->context / pre_s;
   double step_p50 = (double)da_hist_quantile(&x.step_ns, 0.5) * 1e-6, step_p99 = (double)da_hist_quantile(&x.step_ns, 0.99) * 1e-6;
   double call_p50 = (double)da_hist_quantile(&x.call_ns, 0.5) * 1e-3, call_p99 = (double)da_hist_quantile(&x.call_ns, 0.99) * 1e-3;
   double dec_tps = (double)o->batch / (da_hist_mean(&x.step_ns) * 1e-9);
-  printf("| plane | B | L | layers | micro | mlp us | layer call p50 us | p99 us | step p50 ms | p99 ms | decode tok/s | prefill tok/s |\n");
-  printf("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
-  printf("| %s | %d | %d | %d | %d | %d | %.1f | %.1f | %.3f | %.3f | %.0f | %.0f |\n", plane, o->batch, o->context,
-         x.layers, o->micro, o->mlp_us, call_p50, call_p99, step_p50, step_p99, dec_tps, pre_tps);
+  printf("| plane | doorbell | B | L | layers | micro | mlp us | layer call p50 us | p99 us | step p50 ms | p99 ms | decode tok/s | prefill tok/s |\n");
+  printf("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n");
+  printf("| %s | %s | %d | %d | %d | %d | %d | %.1f | %.1f | %.3f | %.3f | %.0f | %.0f |\n", plane, bell ? "on" : "off",
+         o->batch, o->context, x.layers, o->micro, o->mlp_us, call_p50, call_p99, step_p50, step_p99, dec_tps, pre_tps);
   if (o->json) {
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "url", o->url);
     cJSON_AddStringToObject(j, "data_plane", plane);
+    cJSON_AddBoolToObject(j, "doorbell", bell);
     cJSON_AddNumberToObject(j, "batch", o->batch);
     cJSON_AddNumberToObject(j, "context", o->context);
     cJSON_AddNumberToObject(j, "layers", x.layers);

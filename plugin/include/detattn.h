@@ -147,6 +147,23 @@ typedef enum detattn_data_plane {
   DETATTN_PLANE_CUDA = 3,
 } detattn_data_plane;
 
+/*
+ * The same-host doorbell: on an ipc:// daemon that offers it, calls whose request and reply
+ * fit a slot of a shared-memory ring (a sealed memfd handed over with an eventfd, like the
+ * arena) skip nng: Forwards whose outputs travel by reference (SHM or CUDA tensors),
+ * sequence ops and stats. A call claims a slot, publishes its request, wakes the daemon
+ * only when it sleeps, and waits for its reply spinning doorbell_spin_us, then on a futex.
+ * Same bits, same errors and limits as over nng; other calls (Hello, registration, copy
+ * tensors, a full ring) go over nng as before. The ring is set up with the plane and again
+ * after a reconnect.
+ */
+typedef enum detattn_doorbell {
+  DETATTN_DOORBELL_AUTO = 0, /* used when the daemon offers it and the data plane is SHM or CUDA */
+  DETATTN_DOORBELL_OFF = 1,  /* every call over nng */
+  DETATTN_DOORBELL_ON = 2,   /* used whatever the plane; the Hello fails with FAILED_PRECONDITION
+                              * when the daemon offers none or it cannot be set up */
+} detattn_doorbell;
+
 typedef struct detattn_connect_opts {
   uint32_t struct_size;          /* sizeof(detattn_connect_opts); set by _init */
   detattn_data_plane data_plane; /* default AUTO */
@@ -158,6 +175,11 @@ typedef struct detattn_connect_opts {
    * host; Debian's mbedTLS 2.28 matches DNS names only, so connecting by IP address needs a
    * DNS name of the certificate here). */
   const char *tls_ca, *tls_cert, *tls_key, *tls_server_name;
+  /* Fields below were added later: a struct_size that ends before one leaves it at its
+   * default. */
+  detattn_doorbell doorbell;     /* default AUTO */
+  int doorbell_spin_us;          /* a doorbell call spins this long for its reply before it
+                                  * sleeps on a futex; default 50; 0: sleep at once */
 } detattn_connect_opts;
 
 DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *opts);
@@ -170,6 +192,9 @@ DETATTN_API void detattn_connect_opts_init(detattn_connect_opts *opts);
 DETATTN_API int detattn_connect_ex(detattn_client **out, const char *url, const detattn_connect_opts *opts);
 /* The plane calls use now (after the first Hello; before it: the one asked for). */
 DETATTN_API detattn_data_plane detattn_data_plane_get(detattn_client *c);
+/* DETATTN_DOORBELL_ON while calls that fit go through a doorbell ring (set up with the
+ * first Hello), else DETATTN_DOORBELL_OFF. */
+DETATTN_API detattn_doorbell detattn_doorbell_get(detattn_client *c);
 DETATTN_API const char *detattn_data_plane_name(detattn_data_plane p);
 /* Memory in the client's arena (64-byte aligned), or NULL when there is no arena (not SHM,
  * not set up yet: call detattn_hello first) or it is full. Tensors here travel by

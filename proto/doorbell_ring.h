@@ -1,0 +1,107 @@
+/*
+ * doorbell_ring.h — the same-host doorbell's shared-memory layout (ring version 1), shared
+ * by libdetattn (plugin/doorbell.c, which creates rings) and detattnd (server/doorbell.c,
+ * which serves them). Part of the wire protocol: change it only with a new version.
+ *
+ * A ring is a memfd sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW |
+ * F_SEAL_SEAL) of exactly da_ring_bytes(slots, request_bytes, reply_bytes) bytes:
+ *
+ *   [header: DA_RING_HDR_BYTES] [slot 0] [slot 1] ... [slot slots-1] [zero padding to a page]
+ *   slot: [slot header: DA_RING_SLOT_HDR_BYTES] [request area] [reply area]
+ *
+ * Each slot carries one call at a time: a packed detattn.v1.Request in its request area
+ * (req_len bytes), then the packed detattn.v1.Response in its reply area (rep_len bytes).
+ * Every word below is 32-bit, little-endian, and accessed with atomics by both sides.
+ *
+ * A slot's state word, and who moves it:
+ *   FREE    -> CLAIMED  client (CAS): one thread of the client owns the slot
+ *   CLAIMED -> REQUEST  client (seq_cst store), after writing req_len and the request
+ *   REQUEST -> TAKEN    daemon (CAS), then it copies the request out before decoding it
+ *   REQUEST -> FREE     client (CAS) withdrawing a call not taken yet (its deadline passed)
+ *   REQUEST, TAKEN -> LOST  client (CAS), when its connection to the daemon dropped
+ *   TAKEN   -> DONE     daemon (seq_cst store), after writing rep_len and the reply
+ *   DONE    -> FREE     client, after copying the reply out
+ * The daemon trusts none of it: it keeps its own record of which slots it holds, copies a
+ * request before looking at it, checks every length, and a slot in any other state is not
+ * its business. Whatever a client writes here can only break that client's own calls.
+ *
+ * Wake-ups, both ways Dekker-style (a store then a load of the other side's word, both
+ * seq_cst, so at least one side sees the other and no wake-up is lost):
+ *  - the daemon sets header.sleeping before it rescans the ring once and sleeps; a client
+ *    publishes REQUEST, then reads sleeping and, when it is set, writes 1 to the ring's
+ *    eventfd (handed over with the memfd);
+ *  - a client thread that stops spinning sets its slot's waiting word, re-reads state, and
+ *    sleeps with FUTEX_WAIT (shared, not FUTEX_PRIVATE) on the state word; the daemon
+ *    publishes DONE, then reads waiting and, when it is set, calls FUTEX_WAKE on the state.
+ */
+#ifndef DA_DOORBELL_RING_H
+#define DA_DOORBELL_RING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define DA_RING_MAGIC 0x42444144u /* "DADB": the header's magic and the side socket's hand-over */
+#define DA_RING_VERSION 1u
+#define DA_RING_HDR_BYTES 128u
+#define DA_RING_SLOT_HDR_BYTES 64u
+#define DA_RING_PAGE 4096u
+/* Geometry a daemon accepts: areas are multiples of 64 bytes in [MIN_AREA, MAX_AREA]. */
+#define DA_RING_MAX_SLOTS 1024u
+#define DA_RING_MIN_AREA 1024u
+#define DA_RING_MAX_AREA (1u << 20)
+
+enum da_ring_state {
+  DA_RING_FREE = 0,
+  DA_RING_CLAIMED = 1,
+  DA_RING_REQUEST = 2,
+  DA_RING_TAKEN = 3,
+  DA_RING_DONE = 4,
+  DA_RING_LOST = 5,
+};
+
+/* The first DA_RING_HDR_BYTES of the ring. The client writes the first line once before the
+ * hand-over (the daemon reads it once, there, and keeps the geometry it registered); the
+ * daemon writes sleeping, on its own cache line. */
+typedef struct da_ring_hdr {
+  uint32_t magic, version, slots, request_bytes, reply_bytes;
+  uint32_t reserved[11];
+  uint32_t sleeping; /* daemon: 1 while it does not scan this ring (write the eventfd) */
+  uint32_t reserved2[15];
+} da_ring_hdr;
+
+/* The first DA_RING_SLOT_HDR_BYTES of a slot. */
+typedef struct da_ring_slot {
+  uint32_t state;   /* enum da_ring_state; the futex word */
+  uint32_t waiting; /* client: 1 while a thread sleeps on state */
+  uint32_t req_len; /* client: bytes of the request, at most request_bytes */
+  uint32_t rep_len; /* daemon: bytes of the reply, at most reply_bytes */
+  uint32_t reserved[12];
+} da_ring_slot;
+
+_Static_assert(sizeof(da_ring_hdr) == DA_RING_HDR_BYTES, "ring header layout");
+_Static_assert(sizeof(da_ring_slot) == DA_RING_SLOT_HDR_BYTES, "ring slot header layout");
+
+/* 1 when the geometry is one a daemon accepts. */
+static inline int da_ring_geometry_ok(uint32_t slots, uint32_t request_bytes, uint32_t reply_bytes) {
+  return slots >= 1 && slots <= DA_RING_MAX_SLOTS && request_bytes >= DA_RING_MIN_AREA &&
+         request_bytes <= DA_RING_MAX_AREA && request_bytes % 64 == 0 && reply_bytes >= DA_RING_MIN_AREA &&
+         reply_bytes <= DA_RING_MAX_AREA && reply_bytes % 64 == 0;
+}
+
+/* Bytes from one slot's start to the next's. */
+static inline size_t da_ring_slot_stride(uint32_t request_bytes, uint32_t reply_bytes) {
+  return (size_t)DA_RING_SLOT_HDR_BYTES + request_bytes + reply_bytes;
+}
+
+/* The ring's size: header and slots, rounded up to a page. Geometry must be ok. */
+static inline uint64_t da_ring_bytes(uint32_t slots, uint32_t request_bytes, uint32_t reply_bytes) {
+  uint64_t n = DA_RING_HDR_BYTES + (uint64_t)slots * da_ring_slot_stride(request_bytes, reply_bytes);
+  return (n + DA_RING_PAGE - 1) / DA_RING_PAGE * DA_RING_PAGE;
+}
+
+/* Slot i's header; its request area follows it, then its reply area. */
+static inline da_ring_slot *da_ring_slot_at(void *base, uint32_t i, uint32_t request_bytes, uint32_t reply_bytes) {
+  return (da_ring_slot *)((uint8_t *)base + DA_RING_HDR_BYTES + (size_t)i * da_ring_slot_stride(request_bytes, reply_bytes));
+}
+
+#endif /* DA_DOORBELL_RING_H */
