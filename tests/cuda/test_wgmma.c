@@ -1,7 +1,7 @@
 /*
- * test_wgmma.c — the sm_90a prefill kernel (prefill_sm90.cu, on with DA_CUDA_PREFILL=wgmma, or
- * =wgmma-serial for its variant without the S/softmax overlap) against the default mma.sync
- * path (attn.cu), bit for bit, on the same seeded inputs: one-shot
+ * test_wgmma.c — the sm_90a prefill kernel (prefill_sm90.cu) in each of its variants
+ * (DA_CUDA_PREFILL=wgmma-serial, wgmma-pipelined, wgmma-pingpong) against the mma.sync path
+ * (attn.cu, DA_CUDA_PREFILL=mma), bit for bit, on the same seeded inputs: one-shot
  * prefill, chunked prefill (random chunk sizes and split modes), token-by-token decode (which
  * stays on attn.cu in both), in-row vs partial splits, and mixed batches (targets alone vs
  * inside random batches of prefill chunks and decode rows); and the wgmma path's accuracy
@@ -33,10 +33,10 @@ typedef struct seq {
   uint16_t *k, *v, *q; /* [cap][hkv][d], [cap][hkv][d], [cap][hq][d] */
 } seq;
 
-/* A backend of one path (0 mma.sync, 1 wgmma-serial, 2 wgmma): ctx from
- * da_cuda_backend_ops.create. */
-#define N_PATHS 3
-static const char *path_env[N_PATHS] = {NULL, "wgmma-serial", "wgmma"};
+/* A backend of one path (0 mma.sync, then the DA_CU_SM90_* variants 1 serial, 2 pipelined,
+ * 3 ping-pong): ctx from da_cuda_backend_ops.create. */
+#define N_PATHS 4
+static const char *path_env[N_PATHS] = {"mma", "wgmma-serial", "wgmma-pipelined", "wgmma-pingpong"};
 typedef struct path {
   void *ctx;
   const char *name;
@@ -69,8 +69,7 @@ static path open_path(const tcfg *c, int w) {
                         .num = {.split_tokens = c->S, .tile_tokens = 64},
                         .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 17,
                         .staging_bytes = 32u << 20, .poison = 1};
-  if (path_env[w] != NULL) setenv("DA_CUDA_PREFILL", path_env[w], 1);
-  else unsetenv("DA_CUDA_PREFILL");
+  setenv("DA_CUDA_PREFILL", path_env[w], 1);
   path p = {.ctx = NULL, .name = w ? path_env[w] : "mma.sync"};
   da_backend_info info;
   char err[256] = "";
