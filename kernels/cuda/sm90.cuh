@@ -398,9 +398,12 @@ __device__ __forceinline__ void wg_chain_pv_n128(float (&d)[16][4], const uint32
 }
 /* ---- wgmma chains: END */
 
-/* A descriptor of addr + bytes from the descriptor of addr (bytes a multiple of 16; the
- * start address field does not overflow below 256 KiB of shared memory). */
-__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) { return desc + (uint64_t)(bytes >> 4); }
+/* A descriptor of addr + bytes from the descriptor of addr (bytes a multiple of 16). Only the
+ * low word changes: the start address field (bits 0-13) cannot carry out below 256 KiB of
+ * shared memory, so one 32-bit add does it. */
+__device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
 
 /* ---- mbarriers, TMA, fences ------------------------------------------------------------- */
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
