@@ -40,6 +40,8 @@ typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
   int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no (attn.cu), else DA_CU_SM90_* */
+  int sm90_grid;     /* DA_CUDA_SM90_GRID (tests, benchmarks): 0 a persistent grid of one CTA per SM, -1
+                       ("items") one CTA per item, k > 0 a persistent grid of at most k CTAs */
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
@@ -260,6 +262,9 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
+    const char *grid = getenv("DA_CUDA_SM90_GRID");
+    if (grid != NULL && strcmp(grid, "items") == 0) c->sm90_grid = -1;
+    else if (grid != NULL && atoi(grid) > 0) c->sm90_grid = atoi(grid);
 #else
     (void)path;
 #endif
@@ -697,6 +702,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
   g->n_pool_pages = c->cfg.n_pages;
+  g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
@@ -708,7 +714,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
 static int attn_launch(cuda_ctx *c) {
 #ifdef DA_CUDA_HAVE_SM90A
   if (c->sm90_prefill) {
-    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill, c->stream);
+    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
     if (e != 0) return e;
     da_cu_args d = c->args;
     d.items += d.n_items - d.n_split_items;

@@ -86,6 +86,7 @@ typedef struct da_cu_args {
   int has_inrow;      /* some items fold splits in-row (needs the fold buffer) */
   int stages;         /* set by the attention launcher: K/V pipeline depth */
   int n_pool_pages;   /* pages in the KV pool (prefill_sm90.cu's tensor map spans it) */
+  int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items
@@ -98,11 +99,13 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
  * bits (tests/cuda/test_mma_bits.cu). variant: how the consumer warpgroups schedule their
  * MMAs (same bits in all): DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
  * DA_CU_SM90_PIPELINED (the next tile's S and this tile's P.V run under the softmax),
- * DA_CU_SM90_PINGPONG (pipelined, and the two warpgroups take turns issuing MMAs). */
+ * DA_CU_SM90_PINGPONG (pipelined, and the two warpgroups take turns issuing MMAs). A
+ * persistent grid (one CTA per SM walking the items) unless DA_CU_SM90_PER_ITEM is or'ed in. */
 #define DA_CU_SM90_HEAD_DIM_OK(d) ((d) == 64 || (d) == 128)
 #define DA_CU_SM90_SERIAL 1
 #define DA_CU_SM90_PIPELINED 2
 #define DA_CU_SM90_PINGPONG 3
+#define DA_CU_SM90_PER_ITEM 0x10 /* or'ed into variant: one CTA per item instead of a persistent grid */
 int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);

@@ -92,6 +92,37 @@ __device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) 
   return (int64_t)(r / G) * a.n_q_heads + kvh * G + r % G;
 }
 
+/* One work item and the CTA's key tiles for it: [w0 of its first row, p of its last row],
+ * within its splits [j0, j1). */
+struct item_range {
+  da_cu_item it;
+  da_cu_attn at;
+  int kt_begin, kt_end, w0_min, p_max;
+};
+
+__device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
+  item_range r;
+  r.it = a.items[idx];
+  r.at = a.attns[r.it.attn];
+  const int G = a.n_q_heads / a.n_kv_heads;
+  const int n_rows = r.at.n_q * G;
+  const int rlast = min(r.it.row0 + BM, n_rows) - 1;
+  const int p_min = r.at.q_pos + r.it.row0 / G;
+  r.p_max = r.at.q_pos + rlast / G;
+  r.w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+  const int tps = a.split_tokens / BN;
+  r.kt_begin = max(r.w0_min / BN, r.it.j0 * tps);
+  r.kt_end = min(r.p_max / BN, r.it.j1 * tps - 1);
+  return r;
+}
+
+/* Where a ring user is: the stage of the next tile and the count of completed rounds. It
+ * carries over from one item to the next in a persistent CTA. */
+struct ring_pos {
+  int st;
+  uint32_t round;
+};
+
 /*
  * The producer warp: for every tile of [kt_begin, kt_end], wait until the stage is free,
  * then TMA K and V (one box per page chunk of min(page_tokens, 64) rows and per 64 columns)
@@ -101,9 +132,12 @@ __device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) 
  * the range and then arrives on full[stage].
  */
 template <int D>
-__device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &at, const da_cu_item &it, const CUtensorMap *tm,
-                        uint32_t base, int kt_begin, int kt_end, int w0_min, int p_max) {
+__device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, uint32_t base,
+                                        ring_pos &rp, uint32_t &aux_ph) {
   using L = layout<D>;
+  const da_cu_attn &at = ir.at;
+  const da_cu_item &it = ir.it;
+  const int kt_begin = ir.kt_begin, kt_end = ir.kt_end, w0_min = ir.w0_min, p_max = ir.p_max;
   const int lane = threadIdx.x & 31;
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY, bar_aux = base + L::BAR_AUX;
   const int R = a.page_tokens < BN ? a.page_tokens : BN; /* rows per box */
@@ -121,8 +155,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &a
   };
   int bt0 = kt_begin;
   int32_t ids = load_ids(bt0), ids_next = load_ids(bt0 + tpb);
-  int st = 0;
-  uint32_t round = 0, aux_ph = 0;
+  int st = rp.st;
+  uint32_t round = rp.round;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     if (kt - bt0 == tpb) {
       bt0 += tpb;
@@ -168,6 +202,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &a
     }
     if (++st == L::NST) st = 0, round++;
   }
+  rp.st = st, rp.round = round;
 }
 
 /*
@@ -191,9 +226,12 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &a
  * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up.
  */
 template <int D, bool BF16, bool PIPE>
-__device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &at, const da_cu_item &it, uint32_t base,
-                                        unsigned char *smem_base, int cw, int kt_begin, int kt_end, int pingpong) {
+__device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, uint32_t base, unsigned char *smem_base,
+                                        int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
+  const da_cu_attn &at = ir.at;
+  const da_cu_item &it = ir.it;
+  const int kt_begin = ir.kt_begin, kt_end = ir.kt_end;
   constexpr int NV = D / 8; /* n8 fragments of an output row */
   constexpr int NK = D / 16; /* k16 steps of S */
   const int ctid = threadIdx.x - 128 * (cw + 1);
@@ -385,8 +423,8 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   float alpha[2];
   if constexpr (!PIPE) {
     /* Tile kt: its stage and phase, its split j and its index inside the split. */
-    int stage = 0, j = kt_begin / tps, in_split = kt_begin - j * tps;
-    uint32_t round = 0;
+    int stage = rp.st, j = kt_begin / tps, in_split = kt_begin - j * tps;
+    uint32_t round = rp.round;
     for (int kt = kt_begin; kt <= kt_end; kt++) {
       mbar_wait(bar_full + 8 * stage, round & 1);
       if (kt >= my_begin && kt <= my_end) {
@@ -410,15 +448,15 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
       if (++stage == L::NST) stage = 0, round++;
       if (++in_split == tps) in_split = 0, j++;
     }
+    rp.st = stage, rp.round = round;
   } else {
     /* The CTA's range in split segments [A, B] (tiles of one split). Slot k = 0 .. B - A + 1
      * of a segment issues S of tile A + k and P V of tile A + k - 1, where they are this
      * warpgroup's (its tiles [a, b] of the segment); every warpgroup runs B - A + 2 slots per
      * segment, so the ping-pong turns pair up. The pipeline drains at split ends: finalize
      * runs with no wgmma in flight (inside the pipelined loop ptxas serializes it: C7511). */
-    int st_n = 0, st_c = 0; /* stage of the tile being waited for, of the one before */
-    uint32_t ph_n = 0, turn_ph = 0;
-    if (pingpong && cw == 1 && lane == 0) mbar_arrive(bar_turn); /* warpgroup 0 goes first */
+    int st_n = rp.st, st_c = 0; /* stage of the tile being waited for, of the one before */
+    uint32_t ph_n = rp.round;
     auto turn_wait = [&]() {
       if (pingpong) {
         mbar_wait(bar_turn + 8 * cw, turn_ph);
@@ -502,6 +540,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
       for (; t <= B + 1; t++) idle_slot(t, A, B);
       A = B + 1;
     }
+    rp.st = st_n, rp.round = ph_n;
   }
 
   if (partial || !active) return;
@@ -517,25 +556,17 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   }
 }
 
+/* Items [0, n) of the list; CTA b takes items b, b + gridDim.x, ... (a persistent grid of
+ * one CTA per SM, or one item per CTA when gridDim.x == n). The ring of K/V stages, its
+ * barriers' phases and the ping-pong turns carry over from item to item, so the producer
+ * loads the next item's first tiles while the consumers finish this one. */
 template <int D, bool BF16, bool PIPE>
 __global__ void __launch_bounds__(NTHREADS, 1)
-    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int pingpong) {
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
   using L = layout<D>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
   unsigned char *smem_base = smem_raw + (base - smem_addr(smem_raw)); /* the same, generic */
-
-  const da_cu_item it = a.items[blockIdx.x];
-  const da_cu_attn at = a.attns[it.attn];
-  const int G = a.n_q_heads / a.n_kv_heads;
-  const int n_rows = at.n_q * G;
-  const int rlast = min(it.row0 + BM, n_rows) - 1;
-  /* The CTA's key range: [w0 of its first row, p of its last row], within splits [j0, j1). */
-  const int p_min = at.q_pos + it.row0 / G, p_max = at.q_pos + rlast / G;
-  const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
-  const int tps = a.split_tokens / BN;
-  const int kt_begin = max(w0_min / BN, it.j0 * tps);
-  const int kt_end = min(p_max / BN, it.j1 * tps - 1);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NST; s++) {
@@ -549,12 +580,20 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
   __syncthreads();
 
+  ring_pos rp = {0, 0};
   if (threadIdx.x < 128) {
     regs_dec<40>();
-    if (threadIdx.x < 32) produce<D>(a, at, it, &tm, base, kt_begin, kt_end, w0_min, p_max);
+    if (threadIdx.x < 32) {
+      uint32_t aux_ph = 0;
+      for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range(a, i), &tm, base, rp, aux_ph);
+    }
   } else {
     regs_inc<232>();
-    consume<D, BF16, PIPE>(a, at, it, base, smem_base, threadIdx.x / 128 - 1, kt_begin, kt_end, pingpong);
+    const int cw = threadIdx.x / 128 - 1;
+    uint32_t turn_ph = 0;
+    if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
+    for (int i = blockIdx.x; i < n; i += gridDim.x)
+      consume<D, BF16, PIPE>(a, cta_range(a, i), base, smem_base, cw, pingpong, rp, turn_ph);
   }
 }
 
@@ -575,7 +614,7 @@ encode_fn get_encode() {
 }
 
 template <int D, bool BF16, bool PIPE>
-cudaError_t launch(const da_cu_args *a, int n, int pingpong, cudaStream_t stream) {
+cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
    * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
@@ -602,7 +641,7 @@ cudaError_t launch(const da_cu_args *a, int n, int pingpong, cudaStream_t stream
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16, PIPE><<<n, NTHREADS, L::BYTES, stream>>>(*a, tm, pingpong);
+  prefill_kernel<D, BF16, PIPE><<<grid, NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
   return cudaGetLastError();
 }
 
@@ -611,18 +650,20 @@ cudaError_t launch(const da_cu_args *a, int n, int pingpong, cudaStream_t stream
 extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream) {
   const int n = a->n_items - a->n_split_items;
   if (n <= 0) return 0;
-  if (variant < DA_CU_SM90_SERIAL || variant > DA_CU_SM90_PINGPONG) return (int)cudaErrorInvalidValue;
-  const bool pipe = variant != DA_CU_SM90_SERIAL;
-  const int pp = variant == DA_CU_SM90_PINGPONG;
+  const int v = variant & ~DA_CU_SM90_PER_ITEM;
+  if (v < DA_CU_SM90_SERIAL || v > DA_CU_SM90_PINGPONG) return (int)cudaErrorInvalidValue;
+  const bool pipe = v != DA_CU_SM90_SERIAL;
+  const int pp = v == DA_CU_SM90_PINGPONG;
+  const int grid = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0 || a->n_sm > n ? n : a->n_sm;
   switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
-  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, pp, stream);
-  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, 0, stream);
-  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, pp, stream);
-  case 64 * 4: return (int)launch<64, false, false>(a, n, 0, stream);
-  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, pp, stream);
-  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, 0, stream);
-  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, pp, stream);
-  case 128 * 4: return (int)launch<128, false, false>(a, n, 0, stream);
+  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, grid, pp, stream);
+  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, grid, 0, stream);
+  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, grid, pp, stream);
+  case 64 * 4: return (int)launch<64, false, false>(a, n, grid, 0, stream);
+  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, grid, pp, stream);
+  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, grid, 0, stream);
+  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, grid, pp, stream);
+  case 128 * 4: return (int)launch<128, false, false>(a, n, grid, 0, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

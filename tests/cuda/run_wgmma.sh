@@ -8,7 +8,8 @@
 #             sm_90 for d 64/128 since kernel version 3), with DA_CUDA_PREFILL=mma and with
 #             DA_CUDA_PREFILL=wgmma-pingpong
 #   bench     detattn-bench --prefill-only on mma.sync and the wgmma variants serial,
-#             pipelined, pingpong; SDPA flash and cuDNN; one table
+#             pipelined, pingpong (persistent grids) and pipelined with one CTA per item;
+#             SDPA flash and cuDNN; one table
 #   all       bits, test, bench, then a short ncu profile of the default variant (under 5
 #             minutes with the build)
 #   memcheck  compute-sanitizer memcheck of test_wgmma's accuracy case
@@ -131,18 +132,21 @@ if [ "$what" = memcheck ]; then
   step memcheck 280 env CK_FORK=no CK_RUN_CASE=accuracy $SAN --tool memcheck --error-exitcode 1 $B/bin/test_wgmma
   grep -E "ERROR|Invalid|Checks|error" "$LOGS/memcheck.txt" | head -20
 fi
-VARIANTS="mma wgmma-serial wgmma-pipelined wgmma-pingpong"
+# name:DA_CUDA_PREFILL:DA_CUDA_SM90_GRID (empty: a persistent grid of one CTA per SM)
+CONFIGS="mma:mma: wgmma-serial:wgmma-serial: wgmma-pipelined:wgmma-pipelined: wgmma-pingpong:wgmma-pingpong: pipelined-per-item:wgmma-pipelined:items"
 if [ "$what" = bench ] || [ "$what" = all ]; then
   BENCH="$B/bin/detattn-bench --backend cuda --prefill-only"
-  for v in $VARIANTS; do
-    step bench_$v 150 env DA_CUDA_PREFILL=$v $BENCH
-    mv "$LOGS/bench_$v.txt" "$LOGS/bench_$v.log"
-    grep -E "^kind|^prefill" "$LOGS/bench_$v.log" > "$LOGS/$v.csv"
+  targs=""
+  for c in $CONFIGS; do
+    IFS=: read -r name pf grid <<< "$c"
+    step bench_$name 150 env DA_CUDA_PREFILL=$pf DA_CUDA_SM90_GRID=$grid $BENCH
+    mv "$LOGS/bench_$name.txt" "$LOGS/bench_$name.log"
+    grep -E "^kind|^prefill" "$LOGS/bench_$name.log" > "$LOGS/$name.csv"
+    targs="$targs $name=$LOGS/$name.csv"
   done
   grep -h "prefill path" "$LOGS"/bench_*.log | sed 's/.*prefill path/prefill path/' | sort | uniq -c | tee -a "$SUM"
   step peers 200 python3 clients/bench/sdpa_peer.py --prefill-only --csv "$LOGS/peers.csv"
-  python3 tests/cuda/wgmma_table.py "$LOGS/mma.csv" "$LOGS/wgmma-serial.csv" "$LOGS/wgmma-pipelined.csv" \
-    "$LOGS/wgmma-pingpong.csv" "$LOGS/peers.csv" > "$LOGS/table.md"
+  python3 tests/cuda/wgmma_table.py $targs "$LOGS/peers.csv" > "$LOGS/table.md"
 fi
 # ncu of one d-64 prefill launch (B 8 L 4k, the bench's first prefill shape): the pipe
 # utilisations, issue and stall picture that say what limits the kernel now.

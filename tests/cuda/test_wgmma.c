@@ -34,9 +34,12 @@ typedef struct seq {
 } seq;
 
 /* A backend of one path (0 mma.sync, then the DA_CU_SM90_* variants 1 serial, 2 pipelined,
- * 3 ping-pong): ctx from da_cuda_backend_ops.create. */
+ * 3 ping-pong): ctx from da_cuda_backend_ops.create. The wgmma paths run on small persistent
+ * grids (DA_CUDA_SM90_GRID), so a CTA walks many items and its K/V ring, barrier phases and
+ * ping-pong turns carry over from item to item; the serial one with one CTA per item. */
 #define N_PATHS 4
 static const char *path_env[N_PATHS] = {"mma", "wgmma-serial", "wgmma-pipelined", "wgmma-pingpong"};
+static const char *grid_env[N_PATHS] = {NULL, "items", "3", "2"};
 typedef struct path {
   void *ctx;
   const char *name;
@@ -70,11 +73,13 @@ static path open_path(const tcfg *c, int w) {
                         .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 17,
                         .staging_bytes = 32u << 20, .poison = 1};
   setenv("DA_CUDA_PREFILL", path_env[w], 1);
+  if (grid_env[w] != NULL) setenv("DA_CUDA_SM90_GRID", grid_env[w], 1);
   path p = {.ctx = NULL, .name = w ? path_env[w] : "mma.sync"};
   da_backend_info info;
   char err[256] = "";
   int rv = da_cuda_backend_ops.create(&p.ctx, &cfg, &info, err, sizeof(err));
   unsetenv("DA_CUDA_PREFILL");
+  unsetenv("DA_CUDA_SM90_GRID");
   ck_assert_msg(rv == 0, "create (%s): %s (seed %llu)", p.name, err, (unsigned long long)g_seed);
   ck_assert_msg(da_cuda_prefill_path(p.ctx) == w, "%s backend: prefill path is %d", p.name,
                 da_cuda_prefill_path(p.ctx));

@@ -1,18 +1,15 @@
 #!/usr/bin/env python3
 """Prefill table of one run_wgmma.sh bench: detattn on attn.cu (mma.sync) and on prefill_sm90.cu
-(wgmma-serial, wgmma-pipelined, wgmma-pingpong), torch SDPA flash and cuDNN, and the floor at
-800 TFLOP/s, on the README's causal shapes. "best" is the fastest wgmma variant of the row.
+(its variants), torch SDPA flash and cuDNN, and the floor at 800 TFLOP/s, on the README's
+causal shapes. "best" is the fastest wgmma column of the row.
 
-Usage: python3 tests/cuda/wgmma_table.py mma.csv serial.csv pipelined.csv pingpong.csv peers.csv
-(the first four printed by `detattn-bench --backend cuda --prefill-only` with DA_CUDA_PREFILL=
-mma, wgmma-serial, wgmma-pipelined, wgmma-pingpong; the last by
+Usage: python3 tests/cuda/wgmma_table.py NAME=ours.csv [NAME=ours.csv ...] peers.csv
+(each ours.csv printed by `detattn-bench --backend cuda --prefill-only` under one
+DA_CUDA_PREFILL setting, the first one mma.sync's; peers.csv by
 `clients/bench/sdpa_peer.py --prefill-only --csv`).
 """
 import csv
 import sys
-
-NAMES = ["mma.sync", "wgmma-serial", "wgmma-pipelined", "wgmma-pingpong"]
-
 
 def rows(path):
     try:
@@ -28,17 +25,18 @@ def flops(b, length, h, d):
 
 
 def main():
-    ours = [rows(p) for p in sys.argv[1:5]]
-    while len(ours) < 4:
-        ours.append([])
-    peers = rows(sys.argv[5]) if len(sys.argv) > 5 else []
+    named = [a.split("=", 1) for a in sys.argv[1:] if "=" in a]
+    rest = [a for a in sys.argv[1:] if "=" not in a]
+    NAMES = [n for n, _ in named]
+    ours = [rows(p) for _, p in named]
+    peers = rows(rest[0]) if rest else []
     by = [{(int(r["B"]), int(r["L"]), int(r["d"])): r for r in o if r.get("kind") == "prefill"} for o in ours]
     pk = {}
     for r in peers:
         if r["kind"] == "prefill" and r["causal"] == "1" and r["ms"]:
             pk[(int(r["B"]), int(r["L"]), int(r["d"]), r["peer"])] = float(r["ms"])
     head = ["B", "L", "d", "floor ms"] + [f"{n} ms (TFLOP/s)" for n in NAMES]
-    head += ["best", "best / mma.sync", "flash ms (TFLOP/s)", "best x flash", "cuDNN ms (TFLOP/s)", "best x cuDNN"]
+    head += ["best", "best / " + NAMES[0], "flash ms (TFLOP/s)", "best x flash", "cuDNN ms (TFLOP/s)", "best x cuDNN"]
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     keys = sorted(set().union(*[set(b) for b in by]), key=lambda k: (k[2], -k[0]))
