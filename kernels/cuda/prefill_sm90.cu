@@ -226,8 +226,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up.
  */
 template <int D, bool BF16, bool PIPE>
-__device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, uint32_t base, unsigned char *smem_base,
-                                        int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
+__device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
+                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -278,6 +278,17 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       qf[kk][1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
       qf[kk][2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
       qf[kk][3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
+    }
+  }
+  /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
+  if (next >= 0 && qd < D / 64) {
+    const da_cu_item nit = a.items[next];
+    const da_cu_attn nat = a.attns[nit.attn];
+    const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = nit.row0 + cw * 64 + warp * 16 + g + 8 * r;
+      if (row < nat.n_q * G) prefetch_l2(q + ((int64_t)(row / G) * a.n_q_heads + nit.kv_head * G + row % G) * D + qd * 64);
     }
   }
 
@@ -593,7 +604,8 @@ __global__ void __launch_bounds__(NTHREADS, 1)
     uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE>(a, cta_range(a, i), base, smem_base, cw, pingpong, rp, turn_ph);
+      consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+                             pingpong, rp, turn_ph);
   }
 }
 
