@@ -120,6 +120,13 @@ if [ "$what" = test ] || [ "$what" = all ]; then
   grep -c " equal " "$LOGS/wgmma_test.txt" | sed 's/^/wgmma_test: comparisons equal: /' | tee -a "$SUM"
   grep -c "DIFFER" "$LOGS/wgmma_test.txt" | sed 's/^/wgmma_test: comparisons differing: /' | tee -a "$SUM"
   grep "accuracy" "$LOGS/wgmma_test.txt" | sed 's/ (.*)//' | head -18
+  if grep -q "DIFFER" "$LOGS/wgmma_test.txt" || ! grep -q "^100%: Checks" "$LOGS/wgmma_test.txt"; then
+    # Which variant fails, each in its own process (a fault kills the CUDA context for the rest).
+    for w in 1 2 3; do
+      step wgmma_test_path$w 120 env CK_FORK=no WGMMA_TEST_PATHS=$w $B/bin/test_wgmma
+      grep -E "wgmma paths|DIFFER|Checks|Error|error|failed" "$LOGS/wgmma_test_path$w.txt" | head -8
+    done
+  fi
   step cuda_backend_default 180 env CK_FORK=no $B/bin/test_cuda
   grep -E "Checks|Error|error|failed" "$LOGS/cuda_backend_default.txt" | head -10
   step cuda_backend_mma 180 env CK_FORK=no DA_CUDA_PREFILL=mma $B/bin/test_cuda

@@ -40,6 +40,9 @@ typedef struct seq {
 #define N_PATHS 4
 static const char *path_env[N_PATHS] = {"mma", "wgmma-serial", "wgmma-pipelined", "wgmma-pingpong"};
 static const char *grid_env[N_PATHS] = {NULL, "items", "3", "2"};
+/* WGMMA_TEST_PATHS=1,3 (say) runs only those wgmma paths next to mma.sync (run_wgmma.sh uses it
+ * to isolate a failing variant); default all. */
+static int path_on[N_PATHS] = {1, 1, 1, 1};
 typedef struct path {
   void *ctx;
   const char *name;
@@ -177,10 +180,11 @@ START_TEST(paths_agree_on_prefill_chunks_and_decode) {
     pos += k;
   }
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
-  uint16_t *o[N_PATHS][3];
-  float *lse[N_PATHS][3];
+  uint16_t *o[N_PATHS][3] = {{NULL}};
+  float *lse[N_PATHS][3] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     for (int v = 0; v < 3; v++) {
       o[w][v] = malloc(no * 2), lse[w][v] = malloc(nl * 4);
@@ -200,6 +204,7 @@ START_TEST(paths_agree_on_prefill_chunks_and_decode) {
   static const char *vname[3] = {"one-shot", "chunked", "prefill+decode"};
   char what[80];
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     for (int v = 0; v < 3; v++) {
       snprintf(what, sizeof(what), "%s: mma.sync vs %s", vname[v], path_env[w]);
       fails += same(c, what, _i, o[0][v], o[w][v], lse[0][v], lse[w][v], n);
@@ -228,10 +233,11 @@ START_TEST(paths_agree_in_every_split_mode) {
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
   static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
   static const char *names[] = {"in-row", "partial", "auto"};
-  uint16_t *o[N_PATHS][3];
-  float *lse[N_PATHS][3];
+  uint16_t *o[N_PATHS][3] = {{NULL}};
+  float *lse[N_PATHS][3] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     da_append ap = mk_append(c, &s, 1, 0, n);
     da_batch b0 = {.appends = &ap, .n_appends = 1};
@@ -246,6 +252,7 @@ START_TEST(paths_agree_in_every_split_mode) {
   }
   char what[80];
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     for (int m = 0; m < 3; m++) {
       snprintf(what, sizeof(what), "%s: mma.sync vs %s", names[m], path_env[w]);
       fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], n);
@@ -287,9 +294,10 @@ START_TEST(paths_agree_in_mixed_batches) {
     smode[t] = (int)da_rng_range(&r, 0, 2);
   }
   const size_t row = (size_t)c->hq * c->d;
-  uint16_t *ref[N_PATHS], *got = malloc((size_t)(1 + pn) * row * 2), *scratch = malloc((size_t)NS * n * row * 2);
+  uint16_t *ref[N_PATHS] = {NULL}, *got = malloc((size_t)(1 + pn) * row * 2), *scratch = malloc((size_t)NS * n * row * 2);
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     ref[w] = malloc((size_t)(1 + pn) * row * 2);
     for (int i = 0; i < NS; i++) {
@@ -326,6 +334,7 @@ START_TEST(paths_agree_in_mixed_batches) {
     close_path(&p);
   }
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     char what[80];
     snprintf(what, sizeof(what), "alone: mma.sync vs %s", path_env[w]);
     fails += same(c, what, _i, ref[0], ref[w], NULL, NULL, 1 + pn);
@@ -356,6 +365,7 @@ START_TEST(wgmma_matches_fp64_reference) {
   const double tol = c->dt == DA_BF16 ? 4e-3 : 5e-4;
   int bad = 0;
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     forward(&p, c, &s, 1, 0, 300, o, lse, DA_SPLIT_AUTO);
     forward(&p, c, &s, 1, 300, n - 300, o, lse, DA_SPLIT_AUTO);
@@ -381,6 +391,14 @@ int main(void) {
   }
   g_seed = da_test_seed(0x5eed2027ull);
   printf("seed %llu\n", (unsigned long long)g_seed);
+  const char *only = getenv("WGMMA_TEST_PATHS");
+  if (only != NULL && only[0] != '\0') {
+    for (int w = 1; w < N_PATHS; w++) path_on[w] = strchr(only, '0' + w) != NULL;
+    printf("wgmma paths:");
+    for (int w = 1; w < N_PATHS; w++)
+      if (path_on[w]) printf(" %s", path_env[w]);
+    printf("\n");
+  }
   {
     /* Skip where the wgmma path cannot run: no sm_90a kernels in this build, or not sm_90. */
     da_backend_cfg cfg = {.model = model_of(&cfgs[1]), .num = {.split_tokens = 256, .tile_tokens = 64},
