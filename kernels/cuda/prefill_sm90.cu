@@ -4,21 +4,22 @@
  * pipeline of NST stages over mbarriers. Same work items and per-row arithmetic as attn.cu:
  *
  *   per tile of T = 64 keys (absolute, ascending; splits of S tokens at absolute positions):
- *     S = Q K^T       wgmma m64n64k16, k-order over head_dim ascending in steps of 16, one
- *                     fp32 accumulator zeroed first (attn.cu: mma.sync m16n8k16, same order)
+ *     S = Q K^T       wgmma m64n64k16 (Q from registers), k-order over head_dim ascending in
+ *                     steps of 16, one fp32 accumulator, the first step with scale-d = 0
+ *                     (attn.cu: mma.sync m16n8k16 into a zeroed accumulator, same order)
  *     mask, score, da_quad_max, da_rescale, da_exp_row, da_ntile_sum, da_l_update
  *     acc = alpha * acc; P rounded to the input dtype (registers)
  *     acc += P V      wgmma m64nDk16 (P from registers), k-order over keys ascending in 16s
  *   split end: da_finalize_o / da_finalize_lse, then the in-row left fold (da_merge_*) in
- *   registers, or the partial write to the accumulator pool.
+ *   shared memory, or the partial write to the accumulator pool.
  *
  * An output element of an MMA depends only on its own row of A and column of B, so which
  * rows or columns share an instruction does not change it; whether wgmma and mma.sync give
  * the same fp32 bits for the same k-chain is what tests/cuda/test_mma_bits.cu checks.
  *
  * CTA: warpgroup 0 is the producer (one warp issues TMA; registers given back), warpgroups
- * 1 and 2 own rows [row0, row0 + 64) and [row0 + 64, row0 + 128) of the item
- * (DA_CU_SM90_BLOCK_ROWS). Both consumers see every tile of the CTA's key range and compute
+ * 1 and 2 own rows [row0, row0 + 64) and [row0 + 64, row0 + 128) of an item
+ * (DA_CU_SM90_BLOCK_ROWS); a persistent CTA walks several items. Both consumers see every tile of the CTA's key range and compute
  * only the tiles of their own rows' range. K/V tiles arrive by TMA in 128-byte-swizzled
  * [64][64] boxes (one per page chunk and 64 columns); tiles at the edge of the key range get
  * the rows outside it zeroed by the producer before they are published, so poison (unwritten
