@@ -29,7 +29,9 @@
 #include "cuda_backend.h"
 #include "cuda_kernels.h"
 
-#define KERNEL_VERSION 2u
+/* 3: blocks of more than 16 rows run on prefill_sm90.cu by default where it can run (same
+ * bits as attn.cu, tests/cuda/test_wgmma.c; a different kernel, so a new version). */
+#define KERNEL_VERSION 3u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
 #define ALIGN 256
@@ -37,7 +39,9 @@
 typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
-  int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no, 1 serial, 2 overlapped */
+  int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no (attn.cu), else DA_CU_SM90_* */
+  int sm90_grid;     /* DA_CUDA_SM90_GRID (tests, benchmarks): 0 a persistent grid of one CTA per SM, -1
+                       ("items") one CTA per item, k > 0 a persistent grid of at most k CTAs */
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
@@ -170,6 +174,42 @@ static int check_cfg(const da_backend_cfg *cfg, char *err, size_t errlen) {
 
 static struct flight *flights_alloc(void);
 
+/*
+ * THE default prefill kernel: what blocks of more than 16 rows run on when DA_CUDA_PREFILL is
+ * not set, per head_dim: DA_CU_SM90_* (prefill_sm90.cu) or 0 (attn.cu). Only where the wgmma
+ * kernel can run at all (an sm_90a build, an sm_90 device, head_dim 64 or 128); elsewhere
+ * attn.cu. Every choice gives the same bits (tests/cuda/test_wgmma.c); this is a speed choice,
+ * from tests/cuda/run_wgmma.sh's table.
+ */
+#define DA_CUDA_PREFILL_DEFAULT(head_dim) ((head_dim) == 64 || (head_dim) == 128 ? DA_CU_SM90_PIPELINED : 0)
+
+/* DA_CUDA_PREFILL (tests and benchmarks): mma (attn.cu), wgmma (the default wgmma variant),
+ * wgmma-serial, wgmma-pipelined, wgmma-pingpong. */
+static int prefill_path(const char *env, int head_dim, int *path, char *err, size_t errlen) {
+  static const struct {
+    const char *name;
+    int path;
+  } names[] = {{"mma", 0},
+               {"wgmma-serial", DA_CU_SM90_SERIAL},
+               {"wgmma-pipelined", DA_CU_SM90_PIPELINED},
+               {"wgmma-pingpong", DA_CU_SM90_PINGPONG}};
+  *path = DA_CUDA_PREFILL_DEFAULT(head_dim);
+  if (env == NULL || env[0] == '\0') return 0;
+  if (strcmp(env, "wgmma") == 0) {
+    if (*path == 0) *path = DA_CU_SM90_PIPELINED;
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+    if (strcmp(env, names[i].name) == 0) {
+      *path = names[i].path;
+      return 0;
+    }
+  }
+  snprintf(err, errlen, "cuda: DA_CUDA_PREFILL=%s: expected mma, wgmma, wgmma-serial, wgmma-pipelined or wgmma-pingpong",
+           env);
+  return DETATTN_INVALID_ARGUMENT;
+}
+
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
                   size_t errlen) {
   int rv = check_cfg(cfg, err, errlen);
@@ -216,13 +256,19 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   c->n_sm = prop.multiProcessorCount;
 
   const da_model *m = &cfg->model;
-#ifdef DA_CUDA_HAVE_SM90A
   {
-    const char *pf = getenv("DA_CUDA_PREFILL");
-    if (pf != NULL && prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim))
-      c->sm90_prefill = strcmp(pf, "wgmma") == 0 ? 2 : strcmp(pf, "wgmma-serial") == 0 ? 1 : 0;
-  }
+    int path = 0;
+    rv = prefill_path(getenv("DA_CUDA_PREFILL"), m->head_dim, &path, err, errlen);
+    if (rv != 0) goto fail;
+#ifdef DA_CUDA_HAVE_SM90A
+    if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
+    const char *grid = getenv("DA_CUDA_SM90_GRID");
+    if (grid != NULL && strcmp(grid, "items") == 0) c->sm90_grid = -1;
+    else if (grid != NULL && atoi(grid) > 0) c->sm90_grid = atoi(grid);
+#else
+    (void)path;
 #endif
+  }
   c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS : DA_CU_BLOCK_ROWS;
   c->page_bytes = (int64_t)m->n_layers * 2 * m->n_kv_heads * cfg->page_tokens * m->head_dim * 2;
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
@@ -547,7 +593,8 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
 
   /* Items with blocks of more than 16 rows first (one launch), then those of at most 16
    * rows (decode; the second launch); in each, in-row items first: they are the long
-   * ones, so they start in the first wave. */
+   * ones, so they start in the first wave. An attention's blocks go last row first: with
+   * causal masks those see the most keys, so the short ones fill the last wave. */
   int64_t n_split = 0;
   for (int small = 0; small < 2; small++) {
     for (int pass = 0; pass < 2; pass++) {
@@ -555,7 +602,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         const da_attn *a = &b->attns[i];
         const int64_t n_rows = (int64_t)a->n_q * G;
         if (pl->partial[i] != pass) continue;
-        for (int64_t r0 = 0; r0 < n_rows; r0 += c->brows) {
+        for (int64_t r0 = (ceil_div(n_rows, c->brows) - 1) * c->brows; r0 >= 0; r0 -= c->brows) {
           if ((n_rows - r0 <= 16) != small) continue;
           int j0, j1;
           block_splits(c, a, S, r0, &j0, &j1);
@@ -655,6 +702,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
   g->n_pool_pages = c->cfg.n_pages;
+  g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
@@ -666,7 +714,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
 static int attn_launch(cuda_ctx *c) {
 #ifdef DA_CUDA_HAVE_SM90A
   if (c->sm90_prefill) {
-    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill == 2, c->stream);
+    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
     if (e != 0) return e;
     da_cu_args d = c->args;
     d.items += d.n_items - d.n_split_items;

@@ -29,9 +29,9 @@ int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double
                        int *n_sm);
 
 /* Non-zero when blocks of more than 16 rows run on the sm_90a wgmma kernel (prefill_sm90.cu):
- * 2 with DA_CUDA_PREFILL=wgmma at create (the next tile's S overlaps the softmax), 1 with
- * wgmma-serial; and only when the build has sm_90a kernels, the device is sm_90 and head_dim
- * is 64 or 128. 0: every block runs on attn.cu. */
+ * the DA_CU_SM90_* variant (1 serial, 2 pipelined, 3 pipelined + ping-pong), from
+ * DA_CUDA_PREFILL at create or the backend's default; only when the build has sm_90a kernels,
+ * the device is sm_90 and head_dim is 64 or 128. 0: every block runs on attn.cu. */
 int da_cuda_prefill_path(void *ctx);
 
 #endif /* DA_CUDA_BACKEND_H */

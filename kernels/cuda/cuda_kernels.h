@@ -86,6 +86,7 @@ typedef struct da_cu_args {
   int has_inrow;      /* some items fold splits in-row (needs the fold buffer) */
   int stages;         /* set by the attention launcher: K/V pipeline depth */
   int n_pool_pages;   /* pages in the KV pool (prefill_sm90.cu's tensor map spans it) */
+  int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items
@@ -94,12 +95,18 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
 /* prefill_sm90.cu (sm_90a builds only; head_dim 64 and 128): the same attention as
  * da_cuda_attn for the items before the last n_split_items, on wgmma fed by TMA, with items
  * of DA_CU_SM90_BLOCK_ROWS rows (the backend plans them so); the decode items are left to
- * da_cuda_attn. Same per-row arithmetic; equal bits iff wgmma and mma.sync give equal fp32
- * bits (tests/cuda/test_mma_bits.cu). overlap != 0: the next tile's S is issued before this
- * tile's softmax (same bits). Not the default: the backend runs it when DA_CUDA_PREFILL is
- * wgmma (overlap) or wgmma-serial at create. */
+ * da_cuda_attn. Same per-row arithmetic; equal bits because wgmma and mma.sync give equal fp32
+ * bits (tests/cuda/test_mma_bits.cu). variant: how the consumer warpgroups schedule their
+ * MMAs (same bits in all): DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
+ * DA_CU_SM90_PIPELINED (the next tile's S and this tile's P.V run under the softmax),
+ * DA_CU_SM90_PINGPONG (pipelined, and the two warpgroups take turns issuing MMAs). A
+ * persistent grid (one CTA per SM walking the items) unless DA_CU_SM90_PER_ITEM is or'ed in. */
 #define DA_CU_SM90_HEAD_DIM_OK(d) ((d) == 64 || (d) == 128)
-int da_cuda_prefill_sm90(const da_cu_args *a, int overlap, cudaStream_t stream);
+#define DA_CU_SM90_SERIAL 1
+#define DA_CU_SM90_PIPELINED 2
+#define DA_CU_SM90_PINGPONG 3
+#define DA_CU_SM90_PER_ITEM 0x10 /* or'ed into variant: one CTA per item instead of a persistent grid */
+int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);
 /* append.cu: writes a->appends' K/V into the pool through their page tables. */

@@ -4,21 +4,22 @@
  * pipeline of NST stages over mbarriers. Same work items and per-row arithmetic as attn.cu:
  *
  *   per tile of T = 64 keys (absolute, ascending; splits of S tokens at absolute positions):
- *     S = Q K^T       wgmma m64n64k16, k-order over head_dim ascending in steps of 16, one
- *                     fp32 accumulator zeroed first (attn.cu: mma.sync m16n8k16, same order)
+ *     S = Q K^T       wgmma m64n64k16 (Q from registers), k-order over head_dim ascending in
+ *                     steps of 16, one fp32 accumulator, the first step with scale-d = 0
+ *                     (attn.cu: mma.sync m16n8k16 into a zeroed accumulator, same order)
  *     mask, score, da_quad_max, da_rescale, da_exp_row, da_ntile_sum, da_l_update
  *     acc = alpha * acc; P rounded to the input dtype (registers)
  *     acc += P V      wgmma m64nDk16 (P from registers), k-order over keys ascending in 16s
  *   split end: da_finalize_o / da_finalize_lse, then the in-row left fold (da_merge_*) in
- *   registers, or the partial write to the accumulator pool.
+ *   shared memory, or the partial write to the accumulator pool.
  *
  * An output element of an MMA depends only on its own row of A and column of B, so which
  * rows or columns share an instruction does not change it; whether wgmma and mma.sync give
  * the same fp32 bits for the same k-chain is what tests/cuda/test_mma_bits.cu checks.
  *
  * CTA: warpgroup 0 is the producer (one warp issues TMA; registers given back), warpgroups
- * 1 and 2 own rows [row0, row0 + 64) and [row0 + 64, row0 + 128) of the item
- * (DA_CU_SM90_BLOCK_ROWS). Both consumers see every tile of the CTA's key range and compute
+ * 1 and 2 own rows [row0, row0 + 64) and [row0 + 64, row0 + 128) of an item
+ * (DA_CU_SM90_BLOCK_ROWS); a persistent CTA walks several items. Both consumers see every tile of the CTA's key range and compute
  * only the tiles of their own rows' range. K/V tiles arrive by TMA in 128-byte-swizzled
  * [64][64] boxes (one per page chunk and 64 columns); tiles at the edge of the key range get
  * the rows outside it zeroed by the producer before they are published, so poison (unwritten
@@ -44,19 +45,20 @@ constexpr int NTHREADS = 128 * (NCW + 1);
 constexpr int NTS = BN / 8;     /* n8 fragments of a score tile */
 static_assert(BM == DA_CU_SM90_BLOCK_ROWS, "rows per CTA");
 
-/* Shared memory, from a 1024-byte aligned base: Q of each consumer, K and V stages, the
- * in-row fold (fp32 o of every row; touched only at split ends), barriers. */
+/* Shared memory, from a 1024-byte aligned base: K and V stages, the in-row fold (fp32 o of
+ * every row; touched only at split ends), barriers. Q lives in registers. */
 template <int D>
 struct layout {
-  static constexpr int NST = D == 128 ? 3 : 4; /* K/V stages */
-  static constexpr int CB = D / 64;         /* 64-column blocks of a row */
-  static constexpr int Q_B = 64 * D * 2;    /* one consumer's Q */
-  static constexpr int TILE_B = BN * D * 2; /* one K or V tile */
-  static constexpr int OFF_K = NCW * Q_B;
+  static constexpr int NST = D == 128 ? 4 : 6; /* K/V stages */
+  static constexpr int CB = D / 64;            /* 64-column blocks of a row */
+  static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
+  static constexpr int OFF_K = 0;
   static constexpr int OFF_V = OFF_K + NST * TILE_B;
   static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;  /* [NCW][4 warps][D / 8][4][32 lanes] fp32 */
-  static constexpr int OFF_BAR = OFF_FOLD + BM * D * 4; /* full[NST], empty[NST], aux */
-  static constexpr int BYTES = OFF_BAR + (2 * NST + 1) * 8 + 1024;
+  static constexpr int OFF_BAR = OFF_FOLD + BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
+  static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
+  static constexpr int BAR_TURN = BAR_AUX + 8;
+  static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
 };
 
 template <bool BF16>
@@ -91,33 +93,81 @@ __device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) 
   return (int64_t)(r / G) * a.n_q_heads + kvh * G + r % G;
 }
 
+/* One work item and the CTA's key tiles for it: [w0 of its first row, p of its last row],
+ * within its splits [j0, j1). */
+struct item_range {
+  da_cu_item it;
+  da_cu_attn at;
+  int kt_begin, kt_end, w0_min, p_max;
+};
+
+__device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
+  item_range r;
+  r.it = a.items[idx];
+  r.at = a.attns[r.it.attn];
+  const int G = a.n_q_heads / a.n_kv_heads;
+  const int n_rows = r.at.n_q * G;
+  const int rlast = min(r.it.row0 + BM, n_rows) - 1;
+  const int p_min = r.at.q_pos + r.it.row0 / G;
+  r.p_max = r.at.q_pos + rlast / G;
+  r.w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+  const int tps = a.split_tokens / BN;
+  r.kt_begin = max(r.w0_min / BN, r.it.j0 * tps);
+  r.kt_end = min(r.p_max / BN, r.it.j1 * tps - 1);
+  return r;
+}
+
+/* Where a ring user is: the stage of the next tile and the count of completed rounds. It
+ * carries over from one item to the next in a persistent CTA. */
+struct ring_pos {
+  int st;
+  uint32_t round;
+};
+
 /*
  * The producer warp: for every tile of [kt_begin, kt_end], wait until the stage is free,
  * then TMA K and V (one box per page chunk of min(page_tokens, 64) rows and per 64 columns)
- * onto full[stage]. A tile not wholly inside [w0_min, p_max] loads only the chunks that
- * meet the range, onto the aux barrier, waits for them, zeroes the rows outside the range
- * and then arrives on full[stage].
+ * onto full[stage]. Page ids come 32 chunks per warp-wide load, one batch ahead of use, so
+ * no tile waits for the page table. A tile not wholly inside [w0_min, p_max] loads only the
+ * chunks that meet the range, onto the aux barrier, waits for them, zeroes the rows outside
+ * the range and then arrives on full[stage].
  */
 template <int D>
-__device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &at, const da_cu_item &it, const CUtensorMap *tm,
-                        uint32_t base, int kt_begin, int kt_end, int w0_min, int p_max) {
+__device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, uint32_t base,
+                                        ring_pos &rp, uint32_t &aux_ph) {
   using L = layout<D>;
+  const da_cu_attn &at = ir.at;
+  const da_cu_item &it = ir.it;
+  const int kt_begin = ir.kt_begin, kt_end = ir.kt_end, w0_min = ir.w0_min, p_max = ir.p_max;
   const int lane = threadIdx.x & 31;
-  const uint32_t bar_full = base + L::OFF_BAR, bar_empty = bar_full + 8 * L::NST, bar_aux = bar_empty + 8 * L::NST;
+  const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY, bar_aux = base + L::BAR_AUX;
   const int R = a.page_tokens < BN ? a.page_tokens : BN; /* rows per box */
-  const int nchunk = BN / R;
+  const int nchunk = BN / R;                             /* 1, 2, 4 or 8 (page_tokens >= 8) */
+  const int tpb = 32 / nchunk;                           /* tiles per page-id batch */
   const int64_t page_rows = (int64_t)a.n_layers * 2 * a.n_kv_heads * a.page_tokens;
   const int64_t k_rows = ((int64_t)at.layer * 2 * a.n_kv_heads + it.kv_head) * a.page_tokens;
   const int64_t v_rows = (int64_t)a.n_kv_heads * a.page_tokens;
   const int32_t *pt = a.pages + at.pt_off;
   const uint32_t chunk_bytes = (uint32_t)R * D * 2 * 2; /* K and V */
-  int st = 0;
-  uint32_t round = 0, aux_ph = 0;
+  /* Lane l of a batch starting at tile t0: chunk l % nchunk of tile t0 + l / nchunk. */
+  auto load_ids = [&](int t0) -> int32_t {
+    const int c0 = t0 * BN + lane * R;
+    return c0 <= p_max && c0 + R - 1 >= w0_min ? pt[c0 >> a.page_shift] : -1;
+  };
+  int bt0 = kt_begin;
+  int32_t ids = load_ids(bt0), ids_next = load_ids(bt0 + tpb);
+  int st = rp.st;
+  uint32_t round = rp.round;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
+    if (kt - bt0 == tpb) {
+      bt0 += tpb;
+      ids = ids_next;
+      ids_next = load_ids(bt0 + tpb);
+    }
     const int k0 = kt * BN;
-    const int c0 = k0 + lane * R; /* this lane's chunk */
-    int32_t pg = -1;
-    if (lane < nchunk && c0 + R - 1 >= w0_min && c0 <= p_max) pg = pt[c0 >> a.page_shift];
+    const int c0 = k0 + lane * R; /* this lane's chunk (lanes < nchunk) */
+    const int32_t pgl = __shfl_sync(0xffffffffu, ids, (kt - bt0) * nchunk + (lane & (nchunk - 1)));
+    const int32_t pg = lane < nchunk ? pgl : -1;
     const bool clean = k0 >= w0_min && k0 + BN - 1 <= p_max;
     const int n_load = __popc(__ballot_sync(0xffffffffu, pg >= 0));
     mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
@@ -153,52 +203,95 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const da_cu_attn &a
     }
     if (++st == L::NST) st = 0, round++;
   }
+  rp.st = st, rp.round = round;
 }
 
-/* One consumer warpgroup: 64 rows of the item (cw = 0 or 1). OVL: the next tile's S overlaps
- * this tile's softmax (same arithmetic, same bits; only the issue order differs). */
-template <int D, bool BF16, bool OVL>
-__device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &at, const da_cu_item &it, uint32_t base,
-                                        unsigned char *smem_base, int cw, int kt_begin, int kt_end) {
+/*
+ * One consumer warpgroup: 64 rows of the item (cw = 0 or 1). Q fragments live in registers
+ * (the m16n8k16 A layout, wgmma's register-A layout), so S = Q K^T reads only K from shared
+ * memory. Each wgmma chain (S over head_dim, P V over a tile's keys) is one asm statement
+ * (sm90.cuh), so no register copy lands between its wgmmas.
+ *
+ * PIPE = false ("serial"): per tile, S, wait, softmax, P V, wait.
+ * PIPE = true (FA3's intra-warpgroup overlap), per split segment of the warpgroup's tiles:
+ *   S(a); wait; softmax(a); P(a)
+ *   for t in (a, b]: issue S(t); acc *= alpha(t-1); issue P(t-1) V(t-1); wait S(t);
+ *                    softmax(t) while P V(t-1) runs; wait P V(t-1); P(t)
+ *   acc *= alpha(b); P(b) V(b); wait; finalize the split
+ * Every row sees the same operations in the same order as in the serial form: softmax(t)
+ * touches only (m, l) and its own scores, and acc is scaled by alpha(t) only after P V(t-1).
+ * The pipeline drains at split ends (finalize inside the pipelined loop made ptxas serialize
+ * the wgmmas: C7511).
+ * pingpong (PIPE only): the two warpgroups take turns issuing their slot's wgmmas (FA3's
+ * inter-warpgroup schedule, on turn[] mbarriers), so one's softmax runs under the other's
+ * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up.
+ */
+template <int D, bool BF16, bool PIPE>
+__device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
+                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
+  const da_cu_attn &at = ir.at;
+  const da_cu_item &it = ir.it;
+  const int kt_begin = ir.kt_begin, kt_end = ir.kt_end;
   constexpr int NV = D / 8; /* n8 fragments of an output row */
+  constexpr int NK = D / 16; /* k16 steps of S */
   const int ctid = threadIdx.x - 128 * (cw + 1);
   const int warp = ctid >> 5, lane = ctid & 31, g = lane >> 2, qd = lane & 3;
-  const uint32_t bar_full = base + L::OFF_BAR, bar_empty = bar_full + 8 * L::NST;
-  const uint32_t qs = base + cw * L::Q_B;
+  const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
+  const uint32_t bar_turn = base + L::BAR_TURN;
   const int G = a.n_q_heads / a.n_kv_heads;
   const int n_rows = at.n_q * G;
   const int wr0 = it.row0 + cw * 64; /* first row of this warpgroup */
-
-  /* Q rows of the warpgroup, zero-filled past the last row. */
-  {
-    const uint16_t *q = static_cast<const uint16_t *>(a.q) + at.q_off;
-    for (int i = ctid; i < 64 * (D / 8); i += 128) {
-      const int r = i / (D / 8), c = i % (D / 8), gr = wr0 + r;
-      const bool ok = gr < n_rows;
-      const uint16_t *src = ok ? q + ((int64_t)(gr / G) * a.n_q_heads + it.kv_head * G + gr % G) * D + c * 8 : q;
-      cp_async16(qs + (c >> 3) * 64 * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4), src, ok);
-    }
-    cp_async_wait_all();
-    fence_async_smem();
-    bar_sync(1 + cw, 128);
-  }
 
   /* This warpgroup's rows and key range (a sub-range of the CTA's). */
   const bool active = wr0 < n_rows;
   const int wrl = min(wr0 + 64, n_rows) - 1;
   const int p_min = at.q_pos + wr0 / G, p_max = at.q_pos + wrl / G;
-  const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
   const int w0_max = a.window > 0 ? max(0, p_max - a.window + 1) : 0;
   const int tps = a.split_tokens / BN;
-  const int my_begin = active ? max(w0_min / BN, it.j0 * tps) : kt_end + 1;
-  const int my_end = active ? min(p_max / BN, it.j1 * tps - 1) : kt_begin - 1;
+  int my_begin = kt_end + 1, my_end = kt_begin - 1;
+  if (active) {
+    const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+    my_begin = max(w0_min / BN, it.j0 * tps);
+    my_end = min(p_max / BN, it.j1 * tps - 1);
+  }
 
   const int r0 = wr0 + warp * 16 + g; /* this thread's rows: r0 and r0 + 8 */
   row_info ri[2];
   ri[0] = make_row(a, at, r0);
   ri[1] = make_row(a, at, r0 + 8);
   const bool partial = at.slot_base >= 0;
+
+  /* Q in registers: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk +
+   * 2 qd (+1), + 8), zero past the last row. */
+  uint32_t qf[NK][4];
+  {
+    const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
+    const uint32_t *src[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = r0 + 8 * r;
+      src[r] = ri[r].valid ? q + (((int64_t)(row / G) * a.n_q_heads + it.kv_head * G + row % G) * D) / 2 + qd : nullptr;
+    }
+#pragma unroll
+    for (int kk = 0; kk < NK; kk++) {
+      qf[kk][0] = src[0] ? __ldg(src[0] + kk * 8) : 0u;
+      qf[kk][1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
+      qf[kk][2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
+      qf[kk][3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
+    }
+  }
+  /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
+  if (next >= 0 && qd < D / 64) {
+    const da_cu_item nit = a.items[next];
+    const da_cu_attn nat = a.attns[nit.attn];
+    const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = nit.row0 + cw * 64 + warp * 16 + g + 8 * r;
+      if (row < nat.n_q * G) prefetch_l2(q + ((int64_t)(row / G) * a.n_q_heads + nit.kv_head * G + row % G) * D + qd * 64);
+    }
+  }
 
   float acc[NV][4];
   float fold_lse[2] = {0.0f, 0.0f};
@@ -209,29 +302,45 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
 #pragma unroll
   for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  /* S of the tile in stage stg into s: issued, committed, not waited for. */
+  /* Descriptors of stage 0's K (k-step 0) and V (key step 0); a stage is TILE_B further. */
+  const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, 64 * 128);
+
+  /* S of the tile in stage stg into s: one wgmma chain, Q from registers, K from shared
+   * memory; the first k-step with scale-d = 0 (d = Q K^T, as from attn.cu's zeroed
+   * accumulator: at most the sign of an exact zero differs, which no later step can see).
+   * Issued and committed, not waited for. */
   auto issue_s = [&](float (&s)[NTS][4], int stg) {
-    const uint32_t kb = base + L::OFF_K + stg * L::TILE_B;
+    const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::TILE_B);
+    uint64_t db[NK];
 #pragma unroll
-    for (int n = 0; n < NTS; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-      const uint32_t off = (kk >> 2) * 64 * 128 + (kk & 3) * 32;
-      wg_ss<64, BF16, 0>(s, desc_kmajor(qs + off), desc_kmajor(kb + off), 1);
-    }
-    wg_commit();
+    for (int kk = 0; kk < NK; kk++) db[kk] = desc_add(dk, (kk >> 2) * 64 * 128 + (kk & 3) * 32);
+    if constexpr (NK == 4) wg_chain_s_rs4_z<BF16>(s, qf, db);
+    else wg_chain_s_rs8_z<BF16>(s, qf, db);
   };
-  /* Scores, mask, the online-softmax update of tile kt from s, acc scaled, P V issued and
-   * committed (not waited for). */
-  auto softmax_pv = [&](float (&s)[NTS][4], int kt, int stg) {
+  /* acc += P V of the tile in stage stg: one wgmma chain, issued and committed, not waited for. */
+  auto issue_pv = [&](const uint32_t (&p)[BN / 16][4], int stg) {
+    const uint64_t dv = desc_add(dv0, (uint32_t)stg * L::TILE_B);
+    uint64_t db[BN / 16];
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; kc++) db[kc] = desc_add(dv, kc * 16 * 128);
+    if constexpr (D == 128) wg_chain_pv_n128<BF16>(acc, p, db);
+    else wg_chain_pv_n64<BF16>(acc, p, db);
+  };
+  /* Scores and mask of tile kt in s, then the online-softmax update: s holds p = exp2(x - m),
+   * alpha the rescale factors of the two rows. The softcap test is hoisted out of the loops. */
+  auto softmax = [&](float (&s)[NTS][4], int kt, float (&alpha)[2]) {
     /* A tile inside every row's key range needs no mask. */
     const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
-    if (full) {
+    if (full && !a.softcap) {
 #pragma unroll
       for (int n = 0; n < NTS; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) s[n][e] = da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2);
+        for (int e = 0; e < 4; e++) s[n][e] = __fmul_rn(s[n][e], a.scale_log2);
+    } else if (full) {
+#pragma unroll
+      for (int n = 0; n < NTS; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s[n][e] = da_score(s[n][e], 1, a.scale_log2, a.cap_in, a.cap_out_log2);
     } else {
 #pragma unroll
       for (int n = 0; n < NTS; n++) {
@@ -244,7 +353,6 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
         }
       }
     }
-    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       float m_use;
@@ -255,51 +363,52 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
       for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
       da_l_update(st, r, alpha[r], parts);
     }
+  };
+  /* acc *= alpha; skipped when every alpha of the warp is exactly 1 (x * 1 == x). */
+  auto rescale = [&](const float (&alpha)[2]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < NV; n++) {
-      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-      acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-      acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+      for (int n = 0; n < NV; n++) {
+        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+      }
     }
-    uint32_t pa[BN / 16][4];
+  };
+  auto pack_p = [&](const float (&s)[NTS][4], uint32_t (&p)[BN / 16][4]) {
 #pragma unroll
     for (int kc = 0; kc < BN / 16; kc++) {
-      pa[kc][0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-      pa[kc][1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-      pa[kc][2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-      pa[kc][3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+      p[kc][0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+      p[kc][1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+      p[kc][2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      p[kc][3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
-    const uint32_t vb = base + L::OFF_V + stg * L::TILE_B;
-    wg_fence();
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; kc++) wg_rs<D, BF16, 1>(acc, pa[kc], desc_mnmajor(vb + kc * 16 * 128, 64 * 128), 1);
-    wg_commit();
   };
-  /* Split j is complete for the warpgroup's rows: finalize and fold or write. */
-  auto finalize = [&](int j) {
+  /* Split j is complete for the warpgroup's rows (state fs): finalize and fold or write. */
+  auto finalize = [&](int j, const da_row_state &fs) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       const row_info &w = ri[r];
       const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
       if (!w.valid || j < jf || j > jl) continue;
-      const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
+      const float lse_j = da_finalize_lse(fs.m[r], fs.l[r]);
       if (partial) {
         const int64_t slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         float *dst = a.acc_o + slot * D + qd * 2;
 #pragma unroll
         for (int n = 0; n < NV; n++) {
           float2 v;
-          v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
-          v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+          v.x = da_finalize_o(acc[n][2 * r], fs.l[r]);
+          v.y = da_finalize_o(acc[n][2 * r + 1], fs.l[r]);
           *reinterpret_cast<float2 *>(dst + n * 8) = v;
         }
         if (qd == 0) a.acc_lse[slot] = lse_j;
       } else if (j == jf) {
 #pragma unroll
         for (int n = 0; n < NV; n++) {
-          fold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
-          fold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
+          fold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], fs.l[r]);
+          fold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], fs.l[r]);
         }
         fold_lse[r] = lse_j;
       } else {
@@ -309,83 +418,141 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
 #pragma unroll
           for (int e = 2 * r; e < 2 * r + 2; e++) {
             float *f = &fold[(n * 4 + e) * 32];
-            *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], st.l[r]));
+            *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], fs.l[r]));
           }
         }
         fold_lse[r] = mw.lse;
       }
     }
   };
-  auto reset = [&]() {
-    da_state_reset(st);
+  auto zero_acc = [&]() {
 #pragma unroll
     for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   };
 
-  /* Tile kt's position: its stage and phase, its split j and its index inside the split. */
-  int kt = kt_begin, stage = 0, j = kt_begin / tps, in_split = kt_begin - j * tps;
-  uint32_t round = 0;
-  auto release = [&]() { /* this warp is done with tile kt's stage; on to tile kt + 1 */
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
-    if (++stage == L::NST) stage = 0, round++;
-    if (++in_split == tps) in_split = 0, j++;
-    kt++;
-  };
-  float sa[NTS][4], sb[NTS][4];
-  if constexpr (!OVL) {
-    for (; kt <= kt_end;) {
+  float s[NTS][4];
+  uint32_t p[BN / 16][4];
+  float alpha[2];
+  if constexpr (!PIPE) {
+    /* Tile kt: its stage and phase, its split j and its index inside the split. */
+    int stage = rp.st, j = kt_begin / tps, in_split = kt_begin - j * tps;
+    uint32_t round = rp.round;
+    for (int kt = kt_begin; kt <= kt_end; kt++) {
       mbar_wait(bar_full + 8 * stage, round & 1);
       if (kt >= my_begin && kt <= my_end) {
-        if (kt == my_begin || in_split == 0) reset();
-        issue_s(sa, stage);
-        wg_wait<0>();
-        reg_fence(sa);
-        softmax_pv(sa, kt, stage);
-        wg_wait<0>();
-        reg_fence(acc);
-        if (kt == my_end || in_split == tps - 1) finalize(j);
-      }
-      release();
-    }
-  } else {
-    /* The next tile's S is issued before this tile's softmax, so the tensor cores work on
-     * it while this warpgroup runs the softmax; sa and sb take turns. */
-    for (; kt < my_begin && kt <= kt_end;) {
-      mbar_wait(bar_full + 8 * stage, round & 1);
-      release();
-    }
-    if (kt <= my_end) {
-      mbar_wait(bar_full + 8 * stage, round & 1);
-      issue_s(sa, stage);
-      wg_wait<0>();
-      reg_fence(sa);
-      /* sc holds S of tile kt; returns true after the last tile of the range. */
-      auto step = [&](float (&sc)[NTS][4], float (&sn)[NTS][4]) -> bool {
-        const bool next = kt < my_end;
-        if (next) {
-          const int ns = stage + 1 == L::NST ? 0 : stage + 1;
-          mbar_wait(bar_full + 8 * ns, (ns == 0 ? round + 1 : round) & 1);
-          issue_s(sn, ns);
+        if (kt == my_begin || in_split == 0) {
+          da_state_reset(st);
+          zero_acc();
         }
-        if (kt == my_begin || in_split == 0) reset();
-        softmax_pv(sc, kt, stage);
+        issue_s(s, stage);
+        wg_wait<0>();
+        reg_fence(s);
+        softmax(s, kt, alpha);
+        rescale(alpha);
+        pack_p(s, p);
+        issue_pv(p, stage);
         wg_wait<0>();
         reg_fence(acc);
-        reg_fence(sn);
-        if (kt == my_end || in_split == tps - 1) finalize(j);
-        release();
-        return !next;
-      };
-      for (;;) {
-        if (step(sa, sb)) break;
-        if (step(sb, sa)) break;
+        if (kt == my_end || in_split == tps - 1) finalize(j, st);
       }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
+      if (++stage == L::NST) stage = 0, round++;
+      if (++in_split == tps) in_split = 0, j++;
     }
-    for (; kt <= kt_end;) {
-      mbar_wait(bar_full + 8 * stage, round & 1);
-      release();
+    rp.st = stage, rp.round = round;
+  } else {
+    /* The CTA's range in split segments [A, B] (tiles of one split). Slot k = 0 .. B - A + 1
+     * of a segment issues S of tile A + k and P V of tile A + k - 1, where they are this
+     * warpgroup's (its tiles [a, b] of the segment); every warpgroup runs B - A + 2 slots per
+     * segment, so the ping-pong turns pair up. The pipeline drains at split ends: finalize
+     * runs with no wgmma in flight (inside the pipelined loop ptxas serializes it: C7511). */
+    int st_n = rp.st, st_c = 0; /* stage of the tile being waited for, of the one before */
+    uint32_t ph_n = rp.round;
+    auto turn_wait = [&]() {
+      if (pingpong) {
+        mbar_wait(bar_turn + 8 * cw, turn_ph);
+        turn_ph ^= 1;
+      }
+    };
+    auto turn_pass = [&]() {
+      if (pingpong) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_turn + 8 * (cw ^ 1));
+      }
+    };
+    auto wait_full = [&]() { mbar_wait(bar_full + 8 * st_n, ph_n & 1); };
+    auto release_c = [&]() {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar_empty + 8 * st_c);
+    };
+    auto advance = [&]() {
+      st_c = st_n;
+      if (++st_n == L::NST) st_n = 0, ph_n++;
+    };
+    /* A slot without work of this warpgroup: t is the tile waited for (none past B), t - 1
+     * the one released (none at the segment's first slot). */
+    auto idle_slot = [&](int t, int A, int B) {
+      if (t <= B) wait_full();
+      turn_wait();
+      turn_pass();
+      if (t > A) release_c();
+      if (t <= B) advance();
+    };
+    for (int A = kt_begin; A <= kt_end;) {
+      const int j = A / tps;
+      const int B = min(kt_end, (j + 1) * tps - 1);
+      const int a = max(A, my_begin), b = min(B, my_end);
+      int t = A;
+      if (a <= b) {
+        for (; t < a; t++) idle_slot(t, A, B);
+        /* First tile: S alone. */
+        da_state_reset(st);
+        zero_acc();
+        wait_full();
+        turn_wait();
+        issue_s(s, st_n);
+        turn_pass();
+        if (t > A) release_c();
+        wg_wait<0>();
+        reg_fence(s);
+        softmax(s, t, alpha);
+        pack_p(s, p);
+        advance();
+        /* Steady state: S(t), P V(t - 1), softmax(t) under that P V. */
+        for (t++; t <= b; t++) {
+          wait_full();
+          turn_wait();
+          issue_s(s, st_n);
+          rescale(alpha);
+          issue_pv(p, st_c);
+          turn_pass();
+          wg_wait<1>();
+          reg_fence(s);
+          softmax(s, t, alpha);
+          wg_wait<0>();
+          reg_fence(acc);
+          release_c();
+          pack_p(s, p);
+          advance();
+        }
+        /* Last tile of the segment: P V alone, then the split's finalize. */
+        if (t <= B) wait_full();
+        turn_wait();
+        rescale(alpha);
+        issue_pv(p, st_c);
+        turn_pass();
+        wg_wait<0>();
+        reg_fence(acc);
+        release_c();
+        if (t <= B) advance();
+        finalize(j, st);
+        t++;
+      }
+      for (; t <= B + 1; t++) idle_slot(t, A, B);
+      A = B + 1;
     }
+    rp.st = st_n, rp.round = ph_n;
   }
 
   if (partial || !active) return;
@@ -401,43 +568,45 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const da_cu_attn &a
   }
 }
 
-template <int D, bool BF16, bool OVL>
-__global__ void __launch_bounds__(NTHREADS, 1) prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm) {
+/* Items [0, n) of the list; CTA b takes items b, b + gridDim.x, ... (a persistent grid of
+ * one CTA per SM, or one item per CTA when gridDim.x == n). The ring of K/V stages, its
+ * barriers' phases and the ping-pong turns carry over from item to item, so the producer
+ * loads the next item's first tiles while the consumers finish this one. */
+template <int D, bool BF16, bool PIPE>
+__global__ void __launch_bounds__(NTHREADS, 1)
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
   using L = layout<D>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
   unsigned char *smem_base = smem_raw + (base - smem_addr(smem_raw)); /* the same, generic */
-  const uint32_t bar_full = base + L::OFF_BAR, bar_empty = bar_full + 8 * L::NST, bar_aux = bar_empty + 8 * L::NST;
-
-  const da_cu_item it = a.items[blockIdx.x];
-  const da_cu_attn at = a.attns[it.attn];
-  const int G = a.n_q_heads / a.n_kv_heads;
-  const int n_rows = at.n_q * G;
-  const int rlast = min(it.row0 + BM, n_rows) - 1;
-  /* The CTA's key range: [w0 of its first row, p of its last row], within splits [j0, j1). */
-  const int p_min = at.q_pos + it.row0 / G, p_max = at.q_pos + rlast / G;
-  const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
-  const int tps = a.split_tokens / BN;
-  const int kt_begin = max(w0_min / BN, it.j0 * tps);
-  const int kt_end = min(p_max / BN, it.j1 * tps - 1);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NST; s++) {
-      mbar_init(bar_full + 8 * s, 1);
-      mbar_init(bar_empty + 8 * s, NCW * 4); /* one arrival per consumer warp */
+      mbar_init(base + L::BAR_FULL + 8 * s, 1);
+      mbar_init(base + L::BAR_EMPTY + 8 * s, NCW * 4); /* one arrival per consumer warp */
     }
-    mbar_init(bar_aux, 1);
+    mbar_init(base + L::BAR_AUX, 1);
+    for (int c = 0; c < NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the other warpgroup's warps */
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
   __syncthreads();
 
+  ring_pos rp = {0, 0};
   if (threadIdx.x < 128) {
     regs_dec<40>();
-    if (threadIdx.x < 32) produce<D>(a, at, it, &tm, base, kt_begin, kt_end, w0_min, p_max);
+    if (threadIdx.x < 32) {
+      uint32_t aux_ph = 0;
+      for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range(a, i), &tm, base, rp, aux_ph);
+    }
   } else {
     regs_inc<232>();
-    consume<D, BF16, OVL>(a, at, it, base, smem_base, threadIdx.x / 128 - 1, kt_begin, kt_end);
+    const int cw = threadIdx.x / 128 - 1;
+    uint32_t turn_ph = 0;
+    if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
+    for (int i = blockIdx.x; i < n; i += gridDim.x)
+      consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+                             pingpong, rp, turn_ph);
   }
 }
 
@@ -457,8 +626,8 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, bool BF16, bool OVL>
-cudaError_t launch(const da_cu_args *a, int n, cudaStream_t stream) {
+template <int D, bool BF16, bool PIPE>
+cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
    * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
@@ -481,28 +650,33 @@ cudaError_t launch(const da_cu_args *a, int n, cudaStream_t stream) {
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, OVL>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
+    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16, OVL><<<n, NTHREADS, L::BYTES, stream>>>(*a, tm);
+  prefill_kernel<D, BF16, PIPE><<<grid, NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
   return cudaGetLastError();
 }
 
 } // namespace
 
-extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int overlap, cudaStream_t stream) {
+extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream) {
   const int n = a->n_items - a->n_split_items;
   if (n <= 0) return 0;
-  switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (overlap ? 1 : 0)) {
-  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, stream);
-  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, stream);
-  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, stream);
-  case 64 * 4: return (int)launch<64, false, false>(a, n, stream);
-  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, stream);
-  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, stream);
-  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, stream);
-  case 128 * 4: return (int)launch<128, false, false>(a, n, stream);
+  const int v = variant & ~DA_CU_SM90_PER_ITEM;
+  if (v < DA_CU_SM90_SERIAL || v > DA_CU_SM90_PINGPONG) return (int)cudaErrorInvalidValue;
+  const bool pipe = v != DA_CU_SM90_SERIAL;
+  const int pp = v == DA_CU_SM90_PINGPONG;
+  const int grid = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0 || a->n_sm > n ? n : a->n_sm;
+  switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
+  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, grid, pp, stream);
+  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, grid, 0, stream);
+  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, grid, pp, stream);
+  case 64 * 4: return (int)launch<64, false, false>(a, n, grid, 0, stream);
+  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, grid, pp, stream);
+  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, grid, 0, stream);
+  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, grid, pp, stream);
+  case 128 * 4: return (int)launch<128, false, false>(a, n, grid, 0, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

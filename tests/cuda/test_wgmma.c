@@ -1,7 +1,7 @@
 /*
- * test_wgmma.c — the sm_90a prefill kernel (prefill_sm90.cu, on with DA_CUDA_PREFILL=wgmma, or
- * =wgmma-serial for its variant without the S/softmax overlap) against the default mma.sync
- * path (attn.cu), bit for bit, on the same seeded inputs: one-shot
+ * test_wgmma.c — the sm_90a prefill kernel (prefill_sm90.cu) in each of its variants
+ * (DA_CUDA_PREFILL=wgmma-serial, wgmma-pipelined, wgmma-pingpong) against the mma.sync path
+ * (attn.cu, DA_CUDA_PREFILL=mma), bit for bit, on the same seeded inputs: one-shot
  * prefill, chunked prefill (random chunk sizes and split modes), token-by-token decode (which
  * stays on attn.cu in both), in-row vs partial splits, and mixed batches (targets alone vs
  * inside random batches of prefill chunks and decode rows); and the wgmma path's accuracy
@@ -33,10 +33,16 @@ typedef struct seq {
   uint16_t *k, *v, *q; /* [cap][hkv][d], [cap][hkv][d], [cap][hq][d] */
 } seq;
 
-/* A backend of one path (0 mma.sync, 1 wgmma-serial, 2 wgmma): ctx from
- * da_cuda_backend_ops.create. */
-#define N_PATHS 3
-static const char *path_env[N_PATHS] = {NULL, "wgmma-serial", "wgmma"};
+/* A backend of one path (0 mma.sync, then the DA_CU_SM90_* variants 1 serial, 2 pipelined,
+ * 3 ping-pong): ctx from da_cuda_backend_ops.create. The wgmma paths run on small persistent
+ * grids (DA_CUDA_SM90_GRID), so a CTA walks many items and its K/V ring, barrier phases and
+ * ping-pong turns carry over from item to item; the serial one with one CTA per item. */
+#define N_PATHS 4
+static const char *path_env[N_PATHS] = {"mma", "wgmma-serial", "wgmma-pipelined", "wgmma-pingpong"};
+static const char *grid_env[N_PATHS] = {NULL, "items", "3", "2"};
+/* WGMMA_TEST_PATHS=1,3 (say) runs only those wgmma paths next to mma.sync (run_wgmma.sh uses it
+ * to isolate a failing variant); default all. */
+static int path_on[N_PATHS] = {1, 1, 1, 1};
 typedef struct path {
   void *ctx;
   const char *name;
@@ -69,13 +75,14 @@ static path open_path(const tcfg *c, int w) {
                         .num = {.split_tokens = c->S, .tile_tokens = 64},
                         .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 17,
                         .staging_bytes = 32u << 20, .poison = 1};
-  if (path_env[w] != NULL) setenv("DA_CUDA_PREFILL", path_env[w], 1);
-  else unsetenv("DA_CUDA_PREFILL");
+  setenv("DA_CUDA_PREFILL", path_env[w], 1);
+  if (grid_env[w] != NULL) setenv("DA_CUDA_SM90_GRID", grid_env[w], 1);
   path p = {.ctx = NULL, .name = w ? path_env[w] : "mma.sync"};
   da_backend_info info;
   char err[256] = "";
   int rv = da_cuda_backend_ops.create(&p.ctx, &cfg, &info, err, sizeof(err));
   unsetenv("DA_CUDA_PREFILL");
+  unsetenv("DA_CUDA_SM90_GRID");
   ck_assert_msg(rv == 0, "create (%s): %s (seed %llu)", p.name, err, (unsigned long long)g_seed);
   ck_assert_msg(da_cuda_prefill_path(p.ctx) == w, "%s backend: prefill path is %d", p.name,
                 da_cuda_prefill_path(p.ctx));
@@ -173,10 +180,11 @@ START_TEST(paths_agree_on_prefill_chunks_and_decode) {
     pos += k;
   }
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
-  uint16_t *o[N_PATHS][3];
-  float *lse[N_PATHS][3];
+  uint16_t *o[N_PATHS][3] = {{NULL}};
+  float *lse[N_PATHS][3] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     for (int v = 0; v < 3; v++) {
       o[w][v] = malloc(no * 2), lse[w][v] = malloc(nl * 4);
@@ -196,6 +204,7 @@ START_TEST(paths_agree_on_prefill_chunks_and_decode) {
   static const char *vname[3] = {"one-shot", "chunked", "prefill+decode"};
   char what[80];
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     for (int v = 0; v < 3; v++) {
       snprintf(what, sizeof(what), "%s: mma.sync vs %s", vname[v], path_env[w]);
       fails += same(c, what, _i, o[0][v], o[w][v], lse[0][v], lse[w][v], n);
@@ -224,10 +233,11 @@ START_TEST(paths_agree_in_every_split_mode) {
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
   static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
   static const char *names[] = {"in-row", "partial", "auto"};
-  uint16_t *o[N_PATHS][3];
-  float *lse[N_PATHS][3];
+  uint16_t *o[N_PATHS][3] = {{NULL}};
+  float *lse[N_PATHS][3] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     da_append ap = mk_append(c, &s, 1, 0, n);
     da_batch b0 = {.appends = &ap, .n_appends = 1};
@@ -242,6 +252,7 @@ START_TEST(paths_agree_in_every_split_mode) {
   }
   char what[80];
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     for (int m = 0; m < 3; m++) {
       snprintf(what, sizeof(what), "%s: mma.sync vs %s", names[m], path_env[w]);
       fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], n);
@@ -283,9 +294,10 @@ START_TEST(paths_agree_in_mixed_batches) {
     smode[t] = (int)da_rng_range(&r, 0, 2);
   }
   const size_t row = (size_t)c->hq * c->d;
-  uint16_t *ref[N_PATHS], *got = malloc((size_t)(1 + pn) * row * 2), *scratch = malloc((size_t)NS * n * row * 2);
+  uint16_t *ref[N_PATHS] = {NULL}, *got = malloc((size_t)(1 + pn) * row * 2), *scratch = malloc((size_t)NS * n * row * 2);
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     ref[w] = malloc((size_t)(1 + pn) * row * 2);
     for (int i = 0; i < NS; i++) {
@@ -322,6 +334,7 @@ START_TEST(paths_agree_in_mixed_batches) {
     close_path(&p);
   }
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     char what[80];
     snprintf(what, sizeof(what), "alone: mma.sync vs %s", path_env[w]);
     fails += same(c, what, _i, ref[0], ref[w], NULL, NULL, 1 + pn);
@@ -352,6 +365,7 @@ START_TEST(wgmma_matches_fp64_reference) {
   const double tol = c->dt == DA_BF16 ? 4e-3 : 5e-4;
   int bad = 0;
   for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
     path p = open_path(c, w);
     forward(&p, c, &s, 1, 0, 300, o, lse, DA_SPLIT_AUTO);
     forward(&p, c, &s, 1, 300, n - 300, o, lse, DA_SPLIT_AUTO);
@@ -377,6 +391,14 @@ int main(void) {
   }
   g_seed = da_test_seed(0x5eed2027ull);
   printf("seed %llu\n", (unsigned long long)g_seed);
+  const char *only = getenv("WGMMA_TEST_PATHS");
+  if (only != NULL && only[0] != '\0') {
+    for (int w = 1; w < N_PATHS; w++) path_on[w] = strchr(only, '0' + w) != NULL;
+    printf("wgmma paths:");
+    for (int w = 1; w < N_PATHS; w++)
+      if (path_on[w]) printf(" %s", path_env[w]);
+    printf("\n");
+  }
   {
     /* Skip where the wgmma path cannot run: no sm_90a kernels in this build, or not sm_90. */
     da_backend_cfg cfg = {.model = model_of(&cfgs[1]), .num = {.split_tokens = 256, .tile_tokens = 64},
