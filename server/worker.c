@@ -31,6 +31,7 @@ struct da_worker {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int stop;
+  int polls; /* the backend has poll: no ready notification, the worker polls instead */
   slot slots[DA_WORKER_MAX]; /* a ring in hand-over order */
   int head, n;
   int n_ready; /* ready notifications not yet used by a finish */
@@ -72,7 +73,7 @@ static void do_submit(da_worker *w, slot *s) {
     snprintf(res.err, sizeof(res.err), "injected device failure (batch %llu)", (unsigned long long)seq);
     status = DETATTN_UNAVAILABLE;
   } else {
-    status = da_backend_submit(w->be, b, on_ready, w, &res);
+    status = da_backend_submit(w->be, b, w->polls ? NULL : on_ready, w, &res);
   }
   pthread_mutex_lock(&w->mu);
   s->t0 = t0;
@@ -124,6 +125,41 @@ static void spin_for_work(da_worker *w) {
   pthread_mutex_lock(&w->mu);
 }
 
+/* Called and returns with w->mu held, which it drops meanwhile: polls the backend until the
+ * oldest submitted batch has completed (1), a batch was handed over (0: submit it first), or
+ * READY_WAIT_MS passed (1: finish waits on the device itself). Yields between polls for the
+ * first POLL_SPIN_NS, then sleeps POLL_SLEEP_NS between them, so that a long prefill batch
+ * does not hold a core. A device backend's ready notification costs the stream a host
+ * callback that blocks its next batch; this costs a core for microseconds. */
+#define POLL_SPIN_NS 200000ull
+#define POLL_SLEEP_NS 20000L
+static int poll_done(da_worker *w) {
+  unsigned seen = w->handed;
+  uint64_t t0 = da_now_ns();
+  int done = 0;
+  pthread_mutex_unlock(&w->mu);
+  for (;;) {
+    if (da_backend_poll(w->be) != 0) {
+      done = 1;
+      break;
+    }
+    if (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) != seen) break;
+    uint64_t t = da_now_ns() - t0;
+    if (t >= (uint64_t)READY_WAIT_MS * 1000000u) {
+      done = 1;
+      break;
+    }
+    if (t < POLL_SPIN_NS) {
+      sched_yield();
+    } else {
+      struct timespec ts = {0, POLL_SLEEP_NS};
+      nanosleep(&ts, NULL);
+    }
+  }
+  pthread_mutex_lock(&w->mu);
+  return done;
+}
+
 /* Submits every queued batch as soon as it arrives (so its staging overlaps the running
  * batch), and finishes the oldest submitted one once the backend says it is ready. */
 static void *run(void *p) {
@@ -138,6 +174,10 @@ static void *run(void *p) {
       continue;
     }
     slot *s = first(w, SUBMITTED);
+    if (s != NULL && w->polls) {
+      if (poll_done(w)) do_finish(w, s);
+      continue;
+    }
     if (s != NULL) {
       if (w->n_ready == 0) {
         struct timespec ts;
@@ -172,6 +212,7 @@ int da_worker_start(da_worker **out, da_backend *be, void (*done)(void *arg), vo
   w->be = be;
   w->done = done;
   w->arg = arg;
+  w->polls = da_backend_poll(be) >= 0;
   pthread_condattr_t ca;
   if (pthread_mutex_init(&w->mu, NULL) != 0) goto fail_mu;
   if (pthread_condattr_init(&ca) != 0) goto fail_ca;
