@@ -31,6 +31,7 @@
 
 #include "da.h"
 #include "daemon_proc.h"
+#include "raw_client.h"
 #include "detattn.h"
 #include "detattn.pb-c.h"
 #include "doorbell_ring.h"
@@ -389,42 +390,6 @@ END_TEST
 
 /* ---- raw rings: hand-overs and hostile slots ---- */
 
-typedef struct raw {
-  nng_socket sock;
-  uint64_t next_id;
-} raw;
-
-static void raw_open(raw *r) {
-  ck_assert_int_eq(nng_req0_open(&r->sock), 0);
-  nng_socket_set_ms(r->sock, NNG_OPT_REQ_RESENDTIME, NNG_DURATION_INFINITE);
-  nng_socket_set_ms(r->sock, NNG_OPT_RECVTIMEO, 10000);
-  ck_assert_int_eq(nng_dial(r->sock, D.url, NULL, 0), 0);
-  r->next_id = 1;
-}
-
-/* Sends rq over nng; returns the status code (the reply in *out when out is not NULL). */
-static int raw_call(raw *r, Detattn__V1__Request *rq, char *msg, size_t len, Detattn__V1__Response **out) {
-  rq->id = r->next_id++;
-  size_t n = detattn__v1__request__get_packed_size(rq);
-  nng_msg *m;
-  ck_assert_int_eq(nng_msg_alloc(&m, n), 0);
-  detattn__v1__request__pack(rq, nng_msg_body(m));
-  ck_assert_int_eq(nng_sendmsg(r->sock, m, 0), 0);
-  ck_assert_int_eq(nng_recvmsg(r->sock, &m, 0), 0);
-  Detattn__V1__Response *resp = detattn__v1__response__unpack(NULL, nng_msg_len(m), nng_msg_body(m));
-  nng_msg_free(m);
-  ck_assert_ptr_nonnull(resp);
-  int code = resp->status ? (int)resp->status->code : 0;
-  snprintf(msg, len, "%s", resp->status && resp->status->message ? resp->status->message : "");
-  if (out) *out = resp;
-  else detattn__v1__response__free_unpacked(resp, NULL);
-  return code;
-}
-
-static void expect(int got, const char *msg, int want, const char *what) {
-  ck_assert_msg(got == want, "%s: got %s (%s), want %s", what, detattn_status_name(got), msg, detattn_status_name(want));
-  ck_assert_msg(msg[0] != '\0' || want == 0, "%s: %s without a message", what, detattn_status_name(got));
-}
 
 /* A ring made by hand: a memfd with the layout of proto/doorbell_ring.h and an eventfd. */
 typedef struct rring {
@@ -470,7 +435,7 @@ static void rring_free(rring *g) {
 static da_ring_slot *rslot(rring *g, uint32_t i) { return da_ring_slot_at(g->base, i, g->req, g->rep); }
 
 /* RegisterArena with this ring's geometry (size: the layout's unless size_override). */
-static int rring_register(raw *r, const rring *g, uint64_t size_override, uint32_t *id, uint64_t *token, char *msg,
+static int rring_register(da_raw *r, const rring *g, uint64_t size_override, uint32_t *id, uint64_t *token, char *msg,
                           size_t len) {
   Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
@@ -483,7 +448,7 @@ static int rring_register(raw *r, const rring *g, uint64_t size_override, uint32
   ra.doorbell = &dr;
   rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
   rq.register_arena = &ra;
-  int code = raw_call(r, &rq, msg, len, &resp);
+  int code = da_raw_call(r, &rq, msg, len, &resp);
   if (code == 0) {
     *id = resp->register_arena->arena;
     *token = resp->register_arena->token;
@@ -530,12 +495,12 @@ static int rring_handover(const rring *g, uint32_t id, uint64_t token) {
 }
 
 /* A registered and handed-over ring on r. */
-static void rring_ready(raw *r, rring *g) {
+static void rring_ready(da_raw *r, rring *g) {
   char msg[256];
   uint32_t id;
   uint64_t token;
   rring_make(g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
-  expect(rring_register(r, g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_OK, "register the ring");
+  da_raw_expect(rring_register(r, g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_OK, "register the ring");
   ck_assert_int_eq(rring_handover(g, id, token), 0);
 }
 
@@ -597,21 +562,21 @@ static int rring_call(rring *g, uint32_t i, Detattn__V1__Request *rq, char *msg,
 
 START_TEST(ring_hand_overs_are_checked) {
   start(NULL);
-  raw r;
-  raw_open(&r);
+  da_raw r;
+  da_raw_open(&r, D.url);
   char msg[256];
   uint32_t id;
   uint64_t token;
   rring g;
   /* Geometry and size are checked at registration. */
   rring_make(&g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
-  expect(rring_register(&r, &g, g.size + 4096, &id, &token, msg, sizeof msg), msg, DETATTN_INVALID_ARGUMENT,
+  da_raw_expect(rring_register(&r, &g, g.size + 4096, &id, &token, msg, sizeof msg), msg, DETATTN_INVALID_ARGUMENT,
          "size other than the layout's");
   g.req = 1000; /* not a multiple of 64 */
-  expect(rring_register(&r, &g, da_ring_bytes(g.slots, 1024, g.rep), &id, &token, msg, sizeof msg), msg,
+  da_raw_expect(rring_register(&r, &g, da_ring_bytes(g.slots, 1024, g.rep), &id, &token, msg, sizeof msg), msg,
          DETATTN_INVALID_ARGUMENT, "request area of 1000 bytes");
   g.req = R_AREA;
-  expect(rring_register(&r, &g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_OK, "register");
+  da_raw_expect(rring_register(&r, &g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_OK, "register");
   /* An unsealed memfd, one descriptor only, a pipe for the eventfd, a wrong token, another
    * process, a header that does not match: each refused. */
   rring bad;
@@ -641,7 +606,7 @@ START_TEST(ring_hand_overs_are_checked) {
   ck_assert_int_eq(rring_handover(&g, id, token), DETATTN_NOT_FOUND);
   uint32_t id2;
   uint64_t token2;
-  expect(rring_register(&r, &g, 0, &id2, &token2, msg, sizeof msg), msg, DETATTN_ALREADY_EXISTS, "second ring");
+  da_raw_expect(rring_register(&r, &g, 0, &id2, &token2, msg, sizeof msg), msg, DETATTN_ALREADY_EXISTS, "second ring");
   ck_assert_int_eq(metric("detattn_doorbell_rings"), 1);
   /* The ring works: a request through it is its connection's. */
   Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
@@ -649,7 +614,7 @@ START_TEST(ring_hand_overs_are_checked) {
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
   rq.seq_open = &so;
   Detattn__V1__Response *resp;
-  expect(rring_call(&g, 0, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "seq_open through the ring");
+  da_raw_expect(rring_call(&g, 0, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "seq_open through the ring");
   uint64_t seq = resp->seq_open->seq;
   detattn__v1__response__free_unpacked(resp, NULL);
   Detattn__V1__SeqClose sc = DETATTN__V1__SEQ_CLOSE__INIT;
@@ -657,8 +622,8 @@ START_TEST(ring_hand_overs_are_checked) {
   rq = (Detattn__V1__Request)DETATTN__V1__REQUEST__INIT;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_CLOSE;
   rq.seq_close = &sc;
-  expect(raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "closing it over nng");
-  nng_close(r.sock);
+  da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "closing it over nng");
+  da_raw_close(&r);
   for (int i = 0; i < 100 && metric("detattn_doorbell_rings") > 0; i++) da_test_sleep_ms(20);
   ck_assert_int_eq(metric("detattn_doorbell_rings"), 0);
   rring_free(&g);
@@ -700,8 +665,8 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   start(NULL);
   bystander by = {0};
   ck_assert_int_eq(pthread_create(&by.th, NULL, bystander_main, &by), 0);
-  raw r;
-  raw_open(&r);
+  da_raw r;
+  da_raw_open(&r, D.url);
   rring g;
   rring_ready(&r, &g);
   char msg[256];
@@ -714,13 +679,13 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   junk[0] = 0xff; /* field 31 of wire type 7, which does not exist: never a Request */
   rring_put(&g, 0, junk, 16, R_AREA + 1, 1);
   detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  expect(code, msg, DETATTN_INVALID_ARGUMENT, "request length past the slot");
+  da_raw_expect(code, msg, DETATTN_INVALID_ARGUMENT, "request length past the slot");
   rring_put(&g, 0, junk, 0, 0, 1);
   detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  expect(code, msg, DETATTN_INVALID_ARGUMENT, "request length 0");
+  da_raw_expect(code, msg, DETATTN_INVALID_ARGUMENT, "request length 0");
   rring_put(&g, 0, junk, 200, 200, 1);
   detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  expect(code, msg, DETATTN_INVALID_ARGUMENT, "bytes that are no Request");
+  da_raw_expect(code, msg, DETATTN_INVALID_ARGUMENT, "bytes that are no Request");
   /* Garbage state words stay as they are; the request beside them is answered. */
   const uint32_t garbage[] = {0xdeadbeefu, DA_RING_DONE, DA_RING_TAKEN, DA_RING_CLAIMED, DA_RING_LOST, 77};
   for (uint32_t i = 0; i < 6; i++) __atomic_store_n(&rslot(&g, i + 1)->state, garbage[i], __ATOMIC_SEQ_CST);
@@ -728,7 +693,7 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
   rq.seq_open = &so;
-  expect(rring_call(&g, 7, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "seq_open beside garbage");
+  da_raw_expect(rring_call(&g, 7, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "seq_open beside garbage");
   da_test_sleep_ms(20);
   for (uint32_t i = 0; i < 6; i++)
     ck_assert_msg(rslot(&g, i + 1)->state == garbage[i], "slot %u's garbage state changed to %u", i + 1,
@@ -766,14 +731,14 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   uint64_t one = 1;
   ck_assert_int_eq(write(g.efd, &one, 8), 8);
   detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  expect(code, msg, DETATTN_OK, "seq_open after the bell");
+  da_raw_expect(code, msg, DETATTN_OK, "seq_open after the bell");
   /* The bystander was served all along. */
   __atomic_store_n(&by.stop, 1, __ATOMIC_RELEASE);
   pthread_join(by.th, NULL);
   ck_assert_msg(!by.failed, "the bystander failed: %s", by.err);
   ck_assert_int_gt(by.calls, 10);
   /* Closing the connection closes what the hostile ring opened. */
-  nng_close(r.sock);
+  da_raw_close(&r);
   detattn_client *c = connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 10000);
   expect_empty(c, "after the hostile ring's connection closed");
   for (int i = 0; i < 100 && metric("detattn_doorbell_rings") > 0; i++) da_test_sleep_ms(20);
@@ -990,16 +955,16 @@ START_TEST(no_doorbell_where_none_is_offered) {
   ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
   detattn_close(c);
   /* A ring registered anyway is refused. */
-  raw r;
-  raw_open(&r);
+  da_raw r;
+  da_raw_open(&r, D.url);
   rring g;
   rring_make(&g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   char msg[256];
   uint32_t id;
   uint64_t token;
-  expect(rring_register(&r, &g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_FAILED_PRECONDITION,
+  da_raw_expect(rring_register(&r, &g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_FAILED_PRECONDITION,
          "a ring on a daemon without a doorbell");
-  nng_close(r.sock);
+  da_raw_close(&r);
   rring_free(&g);
   da_daemon_stop(&D);
   /* Over tcp: AUTO goes over nng, ON fails. */
