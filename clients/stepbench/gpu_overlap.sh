@@ -2,7 +2,8 @@
 # On the GPU machine: does a client hide the daemon round trip with two micro-batches?
 # detattn-step-bench (shm plane) through detattnd --backend cuda, same model as
 # gpu_stepbench.sh, with --micro-batches 1 and 2 at several simulated MLP times per layer.
-# Usage: bash clients/stepbench/gpu_overlap.sh [BUILD_DIR]   (carry .devdeps; logs in $OUT)
+# Usage: bash clients/stepbench/gpu_overlap.sh [BUILD_DIR]   (carry .devdeps; logs in $OUT;
+# PLANE=shm|cuda, default shm)
 set -u
 build=${1:-build-gpu}
 OUT=${OUT:-/tmp/detattn-gpu}
@@ -29,7 +30,7 @@ for B in 8 64; do
     for m in 1 2; do
       f="$OUT/ov-$B-$mlp-$m.json"
       timeout 200 "$build/bin/detattn-step-bench" --url "ipc://$dir/d.sock" --batch $B --context 4096 --steps 40 \
-        --warmup 5 --prefill-chunk 2048 --data-plane shm --micro-batches $m --mlp-us $mlp --json "$f" \
+        --warmup 5 --prefill-chunk 2048 --data-plane "${PLANE:-shm}" --micro-batches $m --mlp-us $mlp --json "$f" \
         > /dev/null 2>> "$OUT/overlap.err" || { echo "| $B | 4096 | $mlp | $m | failed | | |"; continue; }
       python3 -c "import json; j=json.load(open('$f')); print('| $B | 4096 | $mlp | $m | %.0f | %.3f | %.0f |' % (j['layer_call_us_p50'], j['step_ms_p50'], j['decode_tokens_per_s']))"
     done
