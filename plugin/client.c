@@ -517,6 +517,7 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
     char msg[200];
     int st = da_ring_wait(k->ring, k->ring_slot, k->deadline, reply, msg, sizeof msg);
     k->ring_waited = 1;
+    k->answered = st == DETATTN_OK;
     return st == DETATTN_OK ? DETATTN_OK : da_err(st, "%s", msg);
   }
   pthread_mutex_lock(&k->mu);
@@ -526,6 +527,7 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
   k->reply = NULL;
   pthread_mutex_unlock(&k->mu);
   if (st != DETATTN_OK) return da_err(st, "%s", k->msg);
+  k->answered = 1;
   return DETATTN_OK;
 }
 
@@ -543,7 +545,10 @@ void da_call_free(detattn_call *k) {
   if (k->reply) nng_msg_free(k->reply);
   pthread_cond_destroy(&k->cv);
   pthread_mutex_destroy(&k->mu);
-  if (k->client)
+  /* Arena blocks of a call the daemon did not answer (a timeout, a lost connection) stay
+   * out of the allocator for good: the daemon may still run the call and write its outputs
+   * there, over whatever a later call would have put in a reused block. */
+  if (k->client && k->answered)
     for (size_t i = 0; i < k->n_scratch; i++) da_arena_free(&k->client->arena, k->scratch[i]);
   free(k->scratch);
   free(k->out);

@@ -182,7 +182,9 @@ struct detattn_call {
   int want_lse;
   size_t n_out;
   da_call_out *out;
-  void **scratch;  /* arena blocks holding copied inputs, freed when the call ends */
+  void **scratch;  /* arena blocks holding copied inputs and outputs, freed when the call
+                   * ends if the daemon answered it (answered) */
+  int answered;    /* a reply came back: the daemon is done with the call's memory */
   size_t n_scratch;
   /* CUDA plane calls: the caller's stream, the call's event pair, the region ids it uses. */
   void *cu_stream;

@@ -47,7 +47,7 @@ int ops_http_get(const char *base, const char *path, int timeout_ms, int *status
       memcpy(*body, data, len);
       (*body)[len] = '\0';
     } else {
-      rv = -1;
+      rv = NNG_ENOMEM;
     }
   }
   if (aio) nng_aio_free(aio);
@@ -55,7 +55,7 @@ int ops_http_get(const char *base, const char *path, int timeout_ms, int *status
   if (req) nng_http_req_free(req);
   if (cli) nng_http_client_free(cli);
   if (url) nng_url_free(url);
-  return rv == 0 ? 0 : -1;
+  return rv;
 }
 
 double ops_metric(const char *page, const char *series) {

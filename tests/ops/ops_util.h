@@ -11,6 +11,7 @@
 
 /* GET base + path (base "http://127.0.0.1:PORT"). On success returns 0 with the status and
  * a malloc'ed NUL-terminated body (free it); -1 when no response came within timeout_ms. */
+/* 0, or the nng error of the transaction. */
 int ops_http_get(const char *base, const char *path, int timeout_ms, int *status, char **body);
 
 /* The value of the sample whose name and labels are exactly series (`name{a="b"}` or a bare
