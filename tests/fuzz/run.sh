@@ -9,7 +9,7 @@ work=${2:-$(mktemp -d /tmp/detattn-fuzz-XXXXXX)}
 mkdir -p "$work/gen" "$work/corpus-request" "$work/corpus-reply"
 protoc-c --c_out="$work/gen" -Iproto proto/detattn.proto
 cc="clang -g -O1 -std=c11 -D_GNU_SOURCE -ffp-contract=off -fno-sanitize-recover=undefined"
-inc="-Iserver -Ikernels -Iplugin -Iplugin/include -I$work/gen"
+inc="-Iserver -Ikernels -Iplugin -Iplugin/include -Iproto -I$work/gen"
 san="-fsanitize=fuzzer,address,undefined"
 pb="$work/gen/detattn.pb-c.c"
 $cc $inc -o "$work/gen_corpus" tests/fuzz/gen_corpus.c "$pb" -lprotobuf-c
@@ -17,7 +17,8 @@ $cc $inc -o "$work/gen_corpus" tests/fuzz/gen_corpus.c "$pb" -lprotobuf-c
 $cc $san $inc -o "$work/fuzz_request" tests/fuzz/fuzz_request.c server/wire.c kernels/da.c "$pb" \
   -lprotobuf-c $(pkg-config --libs libxxhash) -lm
 $cc $san $inc -fvisibility=hidden -o "$work/fuzz_reply" tests/fuzz/fuzz_reply.c plugin/ops.c plugin/client.c \
-  plugin/plane_shm.c kernels/da.c "$pb" -lprotobuf-c -lnng $(pkg-config --libs libxxhash) -lm -lpthread
+  plugin/plane_shm.c plugin/plane_cuda.c plugin/doorbell.c kernels/da.c "$pb" -lprotobuf-c -lnng \
+  $(pkg-config --libs libxxhash) -lm -lpthread -ldl
 rc=0
 for f in request reply; do
   echo "fuzz_$f: ${secs} s"
