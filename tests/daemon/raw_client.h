@@ -39,6 +39,11 @@ typedef struct da_raw_fwd {
   Detattn__V1__Request rq;
 } da_raw_fwd;
 
+/* Hands n_fds descriptors (at most 4) over on the daemon's side socket <ipc path>.arena (url
+ * is the daemon's ipc:// url) with {magic, id, token}; the daemon's status byte, or -1 when
+ * it did not answer within 5 s. */
+int da_raw_side_send(const char *url, uint32_t magic, const int *fds, int n_fds, uint32_t id, uint64_t token);
+
 void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64_t base, uint64_t q_row,
                      uint64_t kv_row, uint64_t lse_row);
 

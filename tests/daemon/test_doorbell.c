@@ -466,41 +466,13 @@ static int rring_register(da_raw *r, const rring *g, uint64_t size_override, uin
   return code;
 }
 
-/* Hands fds over on the side socket with the ring's magic; the daemon's status byte, or -1. */
-static int side_send(const int *fds, int n_fds, uint32_t id, uint64_t token) {
-  struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof sa.sun_path, "%.90s.arena", D.url + 6);
-  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ck_assert_int_eq(connect(s, (struct sockaddr *)&sa, sizeof sa), 0);
-  uint8_t msg[16];
-  uint32_t magic = DA_RING_MAGIC;
-  memcpy(msg, &magic, 4);
-  memcpy(msg + 4, &id, 4);
-  memcpy(msg + 8, &token, 8);
-  union {
-    struct cmsghdr h;
-    char b[CMSG_SPACE(2 * sizeof(int))];
-  } ctl;
-  memset(&ctl, 0, sizeof ctl);
-  struct iovec iov = {.iov_base = msg, .iov_len = sizeof msg};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
-                     .msg_controllen = CMSG_SPACE((size_t)n_fds * sizeof(int))};
-  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN((size_t)n_fds * sizeof(int));
-  memcpy(CMSG_DATA(c), fds, (size_t)n_fds * sizeof(int));
-  ck_assert_int_eq(sendmsg(s, &m, MSG_NOSIGNAL), (ssize_t)sizeof msg);
-  struct pollfd pf = {.fd = s, .events = POLLIN};
-  uint8_t code;
-  int rv = poll(&pf, 1, 5000) == 1 && read(s, &code, 1) == 1 ? code : -1;
-  close(s);
-  return rv;
+static int bell_side_send(const int *fds, int n_fds, uint32_t id, uint64_t token) {
+  return da_raw_side_send(D.url, DA_RING_MAGIC, fds, n_fds, id, token);
 }
 
 static int rring_handover(const rring *g, uint32_t id, uint64_t token) {
   int fds[2] = {g->memfd, g->efd};
-  return side_send(fds, 2, id, token);
+  return bell_side_send(fds, 2, id, token);
 }
 
 /* A registered and handed-over ring on r. */
@@ -593,11 +565,11 @@ START_TEST(ring_hand_overs_are_checked) {
   ck_assert_int_eq(rring_handover(&bad, id, token), DETATTN_INVALID_ARGUMENT);
   ck_assert_msg(da_daemon_log_has(&D, "F_SEAL_GROW"), "the unsealed ring's refusal was not logged");
   rring_free(&bad);
-  ck_assert_int_eq(side_send(&g.memfd, 1, id, token), DETATTN_INVALID_ARGUMENT);
+  ck_assert_int_eq(bell_side_send(&g.memfd, 1, id, token), DETATTN_INVALID_ARGUMENT);
   int p[2];
   ck_assert_int_eq(pipe(p), 0);
   int with_pipe[2] = {g.memfd, p[0]};
-  ck_assert_int_eq(side_send(with_pipe, 2, id, token), DETATTN_INVALID_ARGUMENT);
+  ck_assert_int_eq(bell_side_send(with_pipe, 2, id, token), DETATTN_INVALID_ARGUMENT);
   ck_assert_msg(da_daemon_log_has(&D, "not an eventfd"), "the pipe's refusal was not logged");
   close(p[0]);
   close(p[1]);

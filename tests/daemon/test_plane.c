@@ -156,6 +156,11 @@ END_TEST
 
 /* ---- hostile and broken clients, with raw requests ---- */
 
+/* Hands fd over for arena id; the daemon's status byte (or -1: no answer). */
+static int handover(int fd, uint32_t id, uint64_t token) {
+  return da_raw_side_send(D.url, 0x52414144u /* "DAAR" */, &fd, 1, id, token);
+}
+
 static uint32_t raw_register(da_raw *r, uint64_t size, uint64_t *token) {
   Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
@@ -178,37 +183,6 @@ static int make_memfd(size_t size, int sealed) {
   ck_assert_int_eq(ftruncate(fd, (off_t)size), 0);
   if (sealed) ck_assert_int_eq(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   return fd;
-}
-
-/* Hands fd over for arena id; returns the daemon's status byte (or -1: no answer). */
-static int handover(int fd, uint32_t id, uint64_t token) {
-  struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof sa.sun_path, "%.90s.arena", D.url + 6);
-  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ck_assert_int_eq(connect(s, (struct sockaddr *)&sa, sizeof sa), 0);
-  uint8_t msg[16];
-  uint32_t magic = 0x52414144u;
-  memcpy(msg, &magic, 4);
-  memcpy(msg + 4, &id, 4);
-  memcpy(msg + 8, &token, 8);
-  union {
-    struct cmsghdr h;
-    char b[CMSG_SPACE(sizeof(int))];
-  } ctl;
-  memset(&ctl, 0, sizeof ctl);
-  struct iovec iov = {.iov_base = msg, .iov_len = sizeof msg};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b, .msg_controllen = sizeof ctl.b};
-  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN(sizeof(int));
-  memcpy(CMSG_DATA(c), &fd, sizeof(int));
-  ck_assert_int_eq(sendmsg(s, &m, MSG_NOSIGNAL), (ssize_t)sizeof msg);
-  struct pollfd pf = {.fd = s, .events = POLLIN};
-  uint8_t code;
-  int rv = poll(&pf, 1, 5000) == 1 && read(s, &code, 1) == 1 ? code : -1;
-  close(s);
-  return rv;
 }
 
 START_TEST(bad_references_and_arenas_get_their_codes_and_write_nothing) {
