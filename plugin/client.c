@@ -533,7 +533,7 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
 
 void da_call_free(detattn_call *k) {
   if (!k) return;
-  if (k->client && (k->cu_evp || k->cu_bufs)) da_cuda_call_end(k->client, k, DETATTN_CANCELLED);
+  if (k->client && (k->cu_ev || k->cu_bufs)) da_cuda_call_end(k->client, k, DETATTN_CANCELLED);
   if (k->ring) {
     if (!k->ring_waited) da_ring_abandon(k->ring, k->ring_slot);
     da_ring_unref(k->ring);

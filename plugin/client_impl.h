@@ -65,18 +65,18 @@ typedef struct da_cuda_buf {
   int dead;                       /* unregistered; dropped at the next da_cuda_begin */
 } da_cuda_buf;
 
-typedef struct da_cuda_evp {
+typedef struct da_cuda_ev {
   void *ready;               /* a CUevent (interprocess, no timing): the call's inputs are ready */
   void *ctx;                 /* the CUcontext it was made in */
   uint32_t ready_id;
   uint64_t gen;
-  struct da_cuda_evp *next;
-} da_cuda_evp;
+  struct da_cuda_ev *next;
+} da_cuda_ev;
 
 typedef struct da_cuda_state {
   da_cuda_buf *bufs;
   size_t n_bufs, cap_bufs;
-  da_cuda_evp *free_evps;
+  da_cuda_ev *free_evs;
   uint64_t tick;
 } da_cuda_state;
 
@@ -103,7 +103,7 @@ void da_cuda_use_release(detattn_client *c, da_cuda_use *use);
 void da_cuda_use_fini(da_cuda_use *use);
 /* An event for one call (plane_mu held, between da_cuda_begin and da_cuda_use_fini),
  * recorded on stream ("inputs ready"); new events are made in ctx. */
-int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp **out);
+int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_ev **out);
 /* A CUDA call ended with status (takes plane_mu): its allocations are unpinned and its
  * event pooled or retired. */
 void da_cuda_call_end(detattn_client *c, detattn_call *k, int status);
@@ -186,9 +186,9 @@ struct detattn_call {
                    * ends if the daemon answered it (answered) */
   int answered;    /* a reply came back: the daemon is done with the call's memory */
   size_t n_scratch;
-  /* CUDA plane calls: the caller's stream, the call's event pair, the region ids it uses. */
+  /* CUDA plane calls: the caller's stream, the call's ready event, the region ids it uses. */
   void *cu_stream;
-  da_cuda_evp *cu_evp;
+  da_cuda_ev *cu_ev;
   uint32_t *cu_bufs;
   size_t n_cu_bufs;
   /* A doorbell call (no nng context or aio then): the ring (a reference) and the slot. */

@@ -662,7 +662,7 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   Detattn__V1__TensorRef *refs = NULL;
   da_call_out *outs = NULL;
   da_cuda_use use = {0};
-  da_cuda_evp *evp = NULL;
+  da_cuda_ev *ev = NULL;
   uint32_t *ids = NULL;
   size_t n_ids = 0;
   detattn_server_info info;
@@ -733,13 +733,13 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
       *dst[t] = r;
     }
   }
-  if (st == DETATTN_OK) st = da_cuda_events_take(c, stream, use.ctx, &evp);
+  if (st == DETATTN_OK) st = da_cuda_events_take(c, stream, use.ctx, &ev);
   if (st == DETATTN_OK) st = da_cuda_use_ids(c, &use, &ids, &n_ids);
   if (st != DETATTN_OK) {
     da_cuda_use_release(c, &use);
-    if (evp) {
-      evp->next = c->cuda.free_evps;
-      c->cuda.free_evps = evp;
+    if (ev) {
+      ev->next = c->cuda.free_evs;
+      c->cuda.free_evs = ev;
     }
   }
   da_cuda_use_fini(&use);
@@ -752,11 +752,11 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   /* No signal_event: the daemon answers once the outputs are written, so work the caller
    * queues after the call is already ordered after them, and an interprocess event
    * recorded on the daemon's stream cost ~0.26 ms per batch (H100, 2026-11-24). */
-  f.wait_event = evp->ready_id;
+  f.wait_event = ev->ready_id;
   rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
   rq.forward = &f;
   if ((st = start_request(c, &rq, &k)) != DETATTN_OK) {
-    detattn_call tmp = {.client = c, .cu_stream = stream, .cu_evp = evp, .cu_bufs = ids, .n_cu_bufs = n_ids};
+    detattn_call tmp = {.client = c, .cu_stream = stream, .cu_ev = ev, .cu_bufs = ids, .n_cu_bufs = n_ids};
     da_cuda_call_end(c, &tmp, DETATTN_FAILED_PRECONDITION);
     goto done;
   }
@@ -765,7 +765,7 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   k->n_out = n;
   k->out = outs;
   k->cu_stream = stream;
-  k->cu_evp = evp;
+  k->cu_ev = ev;
   k->cu_bufs = ids;
   k->n_cu_bufs = n_ids;
   outs = NULL;
@@ -843,7 +843,7 @@ DETATTN_API int detattn_call_wait(detattn_call *k) {
     st = deliver_forward(k, x.r);
     reply_free(&x);
   }
-  if (k->cu_evp || k->cu_bufs) da_cuda_call_end(k->client, k, st);
+  if (k->cu_ev || k->cu_bufs) da_cuda_call_end(k->client, k, st);
   da_call_free(k);
   return st;
 }

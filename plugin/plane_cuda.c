@@ -8,7 +8,7 @@
  *
  * A registration covers a whole allocation (cuMemAlloc/cudaMalloc; a tensor never spans
  * two), keyed by its base address and the driver's buffer id, so an allocation freed and
- * another made at the same address is registered anew. Cache entries and event pairs carry
+ * another made at the same address is registered anew. Cache entries and events carry
  * the connection generation they were registered on (client.c bumps it when the connection
  * drops; the daemon forgets a closed connection's regions): stale ones are dropped or
  * registered again. State is under c->plane_mu.
@@ -274,7 +274,7 @@ void da_cuda_use_fini(da_cuda_use *use) {
 
 /* ---- events ---- */
 
-static void evp_destroy(da_cuda_evp *e) {
+static void ev_destroy(da_cuda_ev *e) {
   int pushed = ctx_enter(e->ctx);
   if (e->ready) cu.event_destroy(e->ready);
   ctx_leave(pushed);
@@ -293,20 +293,20 @@ static int event_register(detattn_client *c, void *ev, uint32_t *id) {
   return st;
 }
 
-int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp **out) {
+int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_ev **out) {
   da_cuda_state *s = &c->cuda;
   const uint64_t gen = conn_gen(c);
-  da_cuda_evp *e = s->free_evps;
+  da_cuda_ev *e = s->free_evs;
   int st;
   if (e) {
-    s->free_evps = e->next;
+    s->free_evs = e->next;
   } else {
     e = calloc(1, sizeof *e);
     if (!e) return da_err(DETATTN_RESOURCE_EXHAUSTED, "forward_cuda: out of memory");
     e->ctx = ctx;
     CUresult r = cu.event_create(&e->ready, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS);
     if (r != 0) {
-      evp_destroy(e);
+      ev_destroy(e);
       return da_err(DETATTN_FAILED_PRECONDITION,
                     "forward_cuda: cuEventCreate: %s (the calling thread needs a current CUDA context)", cu_str(r));
     }
@@ -314,15 +314,15 @@ int da_cuda_events_take(detattn_client *c, void *stream, void *ctx, da_cuda_evp 
   }
   if (e->gen != gen) {
     if ((st = event_register(c, e->ready, &e->ready_id)) != DETATTN_OK) {
-      evp_destroy(e);
+      ev_destroy(e);
       return st;
     }
     e->gen = gen;
   }
   CUresult r = cu.event_record(e->ready, stream);
   if (r != 0) {
-    e->next = s->free_evps;
-    s->free_evps = e;
+    e->next = s->free_evs;
+    s->free_evs = e;
     return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: recording the inputs-ready event on the stream: %s",
                   cu_str(r));
   }
@@ -339,31 +339,31 @@ void da_cuda_call_end(detattn_client *c, detattn_call *k, int status) {
         s->bufs[i].busy--;
         break;
       }
-  da_cuda_evp *e = k->cu_evp;
+  da_cuda_ev *e = k->cu_ev;
   if (e) {
     if (status == DETATTN_OK || status == DETATTN_INVALID_ARGUMENT || status == DETATTN_NOT_FOUND ||
         status == DETATTN_FAILED_PRECONDITION || status == DETATTN_RESOURCE_EXHAUSTED) {
-      e->next = s->free_evps;
-      s->free_evps = e;
+      e->next = s->free_evs;
+      s->free_evs = e;
     } else {
       /* The daemon may still be polling this call's event (a timeout here, say): it is
        * never reused. */
       (void)da_ops_unregister(c, e->ready_id);
-      evp_destroy(e);
+      ev_destroy(e);
     }
   }
   pthread_mutex_unlock(&c->plane_mu);
   free(k->cu_bufs);
   k->cu_bufs = NULL;
   k->n_cu_bufs = 0;
-  k->cu_evp = NULL;
+  k->cu_ev = NULL;
 }
 
 void da_cuda_client_fini(detattn_client *c) {
   da_cuda_state *s = &c->cuda;
-  for (da_cuda_evp *e = s->free_evps, *n; e; e = n) {
+  for (da_cuda_ev *e = s->free_evs, *n; e; e = n) {
     n = e->next;
-    evp_destroy(e);
+    ev_destroy(e);
   }
   free(s->bufs);
   memset(s, 0, sizeof *s);
