@@ -507,6 +507,24 @@ DETATTN_API int detattn_seq_close(detattn_client *c, uint64_t seq) {
   return DETATTN_OK;
 }
 
+/* The arguments every Forward checks before anything is built; *want_lse when any item has
+ * an lse buffer. what names the call in messages. */
+static int check_call(detattn_client *c, const detattn_seq_io *items, size_t n, detattn_call **out, const char *what,
+                      int *want_lse) {
+  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "%s: out is NULL", what);
+  *out = NULL;
+  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "%s: client is NULL", what);
+  if (!items || n == 0) return da_err(DETATTN_INVALID_ARGUMENT, "%s: no sequences", what);
+  *want_lse = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (items[i].n_tokens > 0 && (!items[i].q || !items[i].k || !items[i].v || !items[i].o))
+      return da_err(DETATTN_INVALID_ARGUMENT, "%s: item %zu has %u tokens but a NULL q, k, v or o", what, i,
+                    items[i].n_tokens);
+    if (items[i].lse) *want_lse = 1;
+  }
+  return DETATTN_OK;
+}
+
 DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
                                       detattn_call **out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
@@ -520,17 +538,7 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
   detattn_call *k;
   int st, want_lse = 0;
 
-  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "forward: out is NULL");
-  *out = NULL;
-  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "forward: client is NULL");
-  if (!items || n == 0) return da_err(DETATTN_INVALID_ARGUMENT, "forward: no sequences");
-  for (size_t i = 0; i < n; i++) {
-    const detattn_seq_io *it = &items[i];
-    if (it->n_tokens > 0 && (!it->q || !it->k || !it->v || !it->o))
-      return da_err(DETATTN_INVALID_ARGUMENT, "forward: item %zu has %u tokens but a NULL q, k, v or o", i,
-                    it->n_tokens);
-    if (it->lse) want_lse = 1;
-  }
+  if ((st = check_call(c, items, n, out, "forward", &want_lse)) != DETATTN_OK) return st;
   if ((st = get_info(c, &info)) != DETATTN_OK) return st;
   const detattn_model *m = &info.model;
   uint64_t q_row = (uint64_t)m->n_q_heads * m->head_dim * 2, kv_row = (uint64_t)m->n_kv_heads * m->head_dim * 2;
@@ -669,16 +677,7 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   detattn_call *k;
   int st, want_lse = 0;
 
-  if (!out) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: out is NULL");
-  *out = NULL;
-  if (!c) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: client is NULL");
-  if (!items || n == 0) return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: no sequences");
-  for (size_t i = 0; i < n; i++) {
-    if (items[i].n_tokens > 0 && (!items[i].q || !items[i].k || !items[i].v || !items[i].o))
-      return da_err(DETATTN_INVALID_ARGUMENT, "forward_cuda: item %zu has %u tokens but a NULL q, k, v or o", i,
-                    items[i].n_tokens);
-    if (items[i].lse) want_lse = 1;
-  }
+  if ((st = check_call(c, items, n, out, "forward_cuda", &want_lse)) != DETATTN_OK) return st;
   if ((st = get_info(c, &info)) != DETATTN_OK) return st;
   pthread_mutex_lock(&c->mu);
   int offered = c->cuda_plane;
