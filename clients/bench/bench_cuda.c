@@ -105,13 +105,21 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 }
 
 int da_bench_cuda(int argc, char **argv) {
-  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0;
+  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0, split = 0;
   shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--quick") == 0) quick = 1;
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
     else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
     else if (strcmp(argv[i], "--contiguous") == 0) contiguous = 1;
+    else if (strcmp(argv[i], "--split") == 0 && i + 1 < argc) {
+      /* The fixed split size S of the timed cases (default DA_DEFAULT_SPLIT_TOKENS). */
+      split = atoi(argv[++i]);
+      if (split < 64 || split % 64 != 0) {
+        fprintf(stderr, "bench cuda: --split wants a multiple of 64\n");
+        return 2;
+      }
+    }
     else if (strcmp(argv[i], "--one-decode") == 0 && i + 2 < argc) {
       /* One decode case (for profilers): B L. */
       one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
@@ -142,7 +150,7 @@ int da_bench_cuda(int argc, char **argv) {
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
         if (one_b > 0 && (s.B != one_b || s.L != one_l)) continue;
-        rv = time_case(ctx, &s, 1, 0, DA_SPLIT_AUTO, "fixedS", perm, 20);
+        rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20);
         if (rv != 0) goto out;
         if (bi == 0 && li == 0) da_cuda_bench_time(ctx, 0, 1, &ta, &tc, &n_sm);
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
@@ -168,7 +176,7 @@ int da_bench_cuda(int argc, char **argv) {
       rv = open_ctx(&ctx, s->hq, s->hkv, s->d, tokens, staging);
       if (rv != 0) return rv;
       int32_t *perm = shuffled((tokens + 15) / 16, 2);
-      rv = time_case(ctx, s, s->L, 0, DA_SPLIT_AUTO, "fixedS", perm, 10);
+      rv = time_case(ctx, s, s->L, split, DA_SPLIT_AUTO, "fixedS", perm, 10);
       free(perm);
       da_cuda_backend_ops.destroy(ctx);
       ctx = NULL;

@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "backend.h"
 #include "testutil.h"
 
@@ -386,6 +388,83 @@ START_TEST(info_names_device_and_fingerprint) {
 }
 END_TEST
 
+/*
+ * The bits of a kernel version, pinned: a fixed-seed workload per cfg (a one-shot in-row
+ * prefill, the same tokens as a partial chunk and an auto chunk on another layer, then
+ * decode steps in both split modes), its o and lse hashed with XXH64. A kernel change that
+ * keeps KERNEL_VERSION (and so the fingerprint) must keep these digests; one that changes
+ * the bits must bump the version and record the new digests here (the test prints them).
+ */
+static const struct golden {
+  unsigned kernel_version;
+  const char *arch;
+  uint64_t digest[5];
+} goldens[] = {
+    {3, "sm_90", {0, 0, 0, 0, 0}},
+};
+_Static_assert(sizeof(goldens[0].digest) / sizeof(goldens[0].digest[0]) == N_CFGS, "a digest per cfg");
+
+static uint64_t workload_digest(const tcfg *c) {
+  da_rng r;
+  da_rng_seed(&r, 0x601dull);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  seq s;
+  const int n = 707, pre = 700;
+  seq_init(&s, c, n, &r, used);
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  uint16_t *o = calloc(2 * no, 2);
+  float *lse = calloc(2 * nl, 4);
+  ck_assert(o && lse);
+  forward(be, c, &s, 0, 0, pre, o, lse, DA_SPLIT_INROW);
+  forward(be, c, &s, 1, 0, 350, o + no, lse + nl, DA_SPLIT_PARTIAL);
+  forward(be, c, &s, 1, 350, pre - 350, o + no, lse + nl, DA_SPLIT_AUTO);
+  for (int t = pre; t < n; t++) {
+    forward(be, c, &s, 0, t, 1, o, lse, t % 2 ? DA_SPLIT_PARTIAL : DA_SPLIT_INROW);
+    forward(be, c, &s, 1, t, 1, o + no, lse + nl, DA_SPLIT_AUTO);
+  }
+  XXH64_state_t *h = XXH64_createState();
+  XXH64_reset(h, 0);
+  XXH64_update(h, o, 2 * no * 2);
+  XXH64_update(h, lse, 2 * nl * 4);
+  const uint64_t d = XXH64_digest(h);
+  XXH64_freeState(h);
+  free(o), free(lse);
+  seq_fini(&s);
+  da_backend_close(be);
+  return d;
+}
+
+START_TEST(digests_pinned_for_this_kernel_version) {
+  da_backend *be = open_be(&cfgs[0]);
+  const da_backend_info in = *da_backend_get_info(be);
+  da_backend_close(be);
+  uint64_t got[N_CFGS];
+  char line[512];
+  int len = snprintf(line, sizeof(line), "{%u, \"%s\", {", in.kernel_version, in.arch);
+  for (int i = 0; i < N_CFGS; i++) {
+    got[i] = workload_digest(&cfgs[i]);
+    len += snprintf(line + len, sizeof(line) - (size_t)len, "0x%016llxull%s", (unsigned long long)got[i],
+                    i + 1 < N_CFGS ? ", " : "}},");
+  }
+  printf("digests of kernel version %u on %s: %s\n", in.kernel_version, in.arch, line);
+  const struct golden *g = NULL;
+  for (size_t k = 0; k < sizeof(goldens) / sizeof(goldens[0]); k++)
+    if (goldens[k].kernel_version == in.kernel_version && strcmp(goldens[k].arch, in.arch) == 0) g = &goldens[k];
+  if (g == NULL) {
+    /* Other architectures are not pinned here (none runs in this project's GPU runs). */
+    ck_assert_msg(strcmp(in.arch, "sm_90") != 0,
+                  "no digests recorded for kernel version %u on sm_90: add %s to goldens[]", in.kernel_version, line);
+    return;
+  }
+  for (int i = 0; i < N_CFGS; i++)
+    ck_assert_msg(got[i] == g->digest[i],
+                  "cfg %d: digest 0x%016llx, kernel version %u on %s recorded 0x%016llx: the bits changed "
+                  "without a kernel version bump",
+                  i, (unsigned long long)got[i], in.kernel_version, in.arch, (unsigned long long)g->digest[i]);
+}
+END_TEST
+
 int main(void) {
   if (!da_cuda_backend_ops.available()) {
     printf("no CUDA device: skipped\n");
@@ -411,6 +490,7 @@ int main(void) {
   tcase_add_loop_test(tc, split_modes_and_reruns_are_bit_identical, 0, N_CFGS);
   tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
+  tcase_add_test(tc, digests_pinned_for_this_kernel_version);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_set_fork_status(sr, CK_NOFORK);
