@@ -407,36 +407,18 @@ attn_kernel(const da_cu_args a) {
       for (int r = 0; r < 2; r++) {
         const row_info &w = ri[r];
         if (!w.valid || j < w.jf || j > w.jl) continue;
-        const float lse_j = da_finalize_lse(st.m[r], st.l[r]);
+        const int how = partial ? DA_END_WRITE : j == w.jf ? DA_END_FIRST : DA_END_MERGE;
+        float *part = nullptr;
+        int64_t slot = 0;
         if (partial) {
-          const int64_t slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
-          float *dst = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
-#pragma unroll
-          for (int n = 0; n < NV; n++) {
-            float2 v;
-            v.x = da_finalize_o(acc[n][2 * r], st.l[r]);
-            v.y = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
-            *reinterpret_cast<float2 *>(dst + n * 8) = v;
-          }
-          if (qd == 0 && lse_writer) a.acc_lse[slot] = lse_j;
-        } else if (j == w.jf) {
-#pragma unroll
-          for (int n = 0; n < NV; n++) {
-            myfold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], st.l[r]);
-            myfold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], st.l[r]);
-          }
-          fold_lse[r] = lse_j;
+          slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
+          part = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
+        }
+        const float lse = da_split_end<NV>(acc, r, st.m[r], st.l[r], how, part, myfold, fold_lse[r]);
+        if (partial) {
+          if (qd == 0 && lse_writer) a.acc_lse[slot] = lse;
         } else {
-          const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
-#pragma unroll
-          for (int n = 0; n < NV; n++) {
-#pragma unroll
-            for (int e = 2 * r; e < 2 * r + 2; e++) {
-              float *f = &myfold[(n * 4 + e) * 32];
-              *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], st.l[r]));
-            }
-          }
-          fold_lse[r] = mw.lse;
+          fold_lse[r] = lse;
         }
       }
     }

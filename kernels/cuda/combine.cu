@@ -25,7 +25,7 @@ template <int D, bool BF16>
 __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
   constexpr int PER = D > THREADS ? D / THREADS : 1;
   constexpr int BATCH = 16;  /* o_j loads in flight per thread (64 measured slower) */
-  __shared__ float s_lse[CHUNK], s_a[CHUNK], s_b[CHUNK], s_s[CHUNK];
+  __shared__ float s_lse[CHUNK], s_a[CHUNK], s_b[CHUNK], s_s[CHUNK], s_y[CHUNK];
   __shared__ float s_out_lse;
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
     if (tid == 0) {
       for (int k = 0; k < n; k++) {
         const da_merge_w w = da_merge_weights(lse, s_lse[k]);
-        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s;
+        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s.b, s_y[k] = w.s.y;
         lse = w.lse;
       }
       s_out_lse = lse;
@@ -77,9 +77,13 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
       for (int k = 0; k < BATCH; k++) {
         if (k0 + k < n) {
           da_merge_w w;
-          w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = s_s[k0 + k], w.lse = 0.0f;
+          w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = da_div_of(s_s[k0 + k], s_y[k0 + k]), w.lse = 0.0f;
 #pragma unroll
-          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e]);
+          for (int e = 0; e < PER; e++) {
+            bool redo = false;
+            const float q = da_merge_o(w, o[e], v[k][e], redo);
+            o[e] = redo ? da_merge_o_exact(w, o[e], v[k][e]) : q;
+          }
         }
       }
 #pragma unroll

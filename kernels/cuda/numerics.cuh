@@ -102,14 +102,63 @@ __device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha
   st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), sum);
 }
 
-/* Split finalize: o_j = acc / l, lse_j = m + log2(l). Only for rows with l > 0. */
-__device__ __forceinline__ float da_finalize_o(float acc, float l) { return __fdiv_rn(acc, l); }
+/*
+ * Division by a row's divisor: the IEEE quotient RN(a / b), the bits of __fdiv_rn, in five
+ * dependent FMA-pipe instructions once the row's y = RN(1/b) is known. q0 = a y is within
+ * two ulps of a / b; one Markstein step (r = a - q b exact by FMA, q + r y) makes it faithful,
+ * a second one correctly rounded (Markstein's theorem: y = RN(1/b), q faithful, no underflow
+ * or overflow => RN(q + r y) = RN(a / b); a quotient is never a tie). That needs b and a in
+ * the ranges da_div_by / da_div_fast_ok check (|a / b| and every remainder stay normal);
+ * outside them (zeros, subnormals, inf, NaN, huge values) callers redo the row with
+ * __fdiv_rn. Both give the same bits wherever both apply, so which one ran never shows:
+ * tests/cuda/test_div.cu compares them on 2^28 quotients. Why: __fdiv_rn is a MUFU.RCP,
+ * a range check and a branch per element, and the split finalize divides every output
+ * element twice (acc / l, then the merge's / s).
+ */
+struct da_div {
+  float b, y; /* divisor, RN(1/b) */
+  bool ok;    /* b in [2^-32, 2^33) */
+};
+
+/* The divisor b with its y = RN(1/b) computed elsewhere (staged in shared memory). */
+__device__ __forceinline__ da_div da_div_of(float b, float y) {
+  da_div d;
+  d.b = b;
+  d.y = y;
+  d.ok = ((__float_as_uint(b) >> 23) & 0xffu) - (127u - 32u) <= 64u;
+  return d;
+}
+
+__device__ __forceinline__ da_div da_div_by(float b) { return da_div_of(b, __frcp_rn(b)); }
+
+/* |a| in [2^-90, 2^91) (and the divisor's range): the fast quotient is RN(a / b). */
+__device__ __forceinline__ bool da_div_fast_ok(const da_div &d, float a) {
+  return d.ok && ((__float_as_uint(a) >> 23) & 0xffu) - (127u - 90u) <= 180u;
+}
+
+__device__ __forceinline__ float da_div_fast(const da_div &d, float a) {
+  const float q0 = __fmul_rn(a, d.y);
+  const float r0 = __fmaf_rn(-q0, d.b, a);
+  const float q1 = __fmaf_rn(r0, d.y, q0);
+  const float r1 = __fmaf_rn(-q1, d.b, a);
+  return __fmaf_rn(r1, d.y, q1);
+}
+
+/* Split finalize: o_j = acc / l, lse_j = m + log2(l). Only for rows with l > 0.
+ * da_finalize_o is the fast quotient and sets redo when the row must be redone with
+ * da_finalize_o_exact (same bits where both apply). */
+__device__ __forceinline__ float da_finalize_o(const da_div &l, float acc, bool &redo) {
+  redo |= !da_div_fast_ok(l, acc);
+  return da_div_fast(l, acc);
+}
+__device__ __forceinline__ float da_finalize_o_exact(const da_div &l, float acc) { return __fdiv_rn(acc, l.b); }
 __device__ __forceinline__ float da_finalize_lse(float m, float l) { return __fadd_rn(m, da_lg2(l)); }
 
 /* Left-fold merge (o, lse) <- merge((o, lse), (o_j, lse_j)): weights once per row, then
- * one da_merge_o per element. */
+ * one da_merge_o per element (fast quotient, redo as for da_finalize_o). */
 struct da_merge_w {
-  float a, b, s, lse;
+  float a, b, lse;
+  da_div s; /* a + b */
 };
 
 __device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
@@ -117,13 +166,89 @@ __device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
   const float mx = fmaxf(lse, lse_j);
   w.a = da_ex2(__fsub_rn(lse, mx));
   w.b = da_ex2(__fsub_rn(lse_j, mx));
-  w.s = __fadd_rn(w.a, w.b);
-  w.lse = __fadd_rn(mx, da_lg2(w.s));
+  const float s = __fadd_rn(w.a, w.b);
+  w.s = da_div_by(s);
+  w.lse = __fadd_rn(mx, da_lg2(s));
   return w;
 }
 
-__device__ __forceinline__ float da_merge_o(const da_merge_w &w, float o, float o_j) {
-  return __fdiv_rn(__fmaf_rn(w.a, o, __fmul_rn(w.b, o_j)), w.s);
+__device__ __forceinline__ float da_merge_num(const da_merge_w &w, float o, float o_j) {
+  return __fmaf_rn(w.a, o, __fmul_rn(w.b, o_j));
+}
+__device__ __forceinline__ float da_merge_o(const da_merge_w &w, float o, float o_j, bool &redo) {
+  const float n = da_merge_num(w, o, o_j);
+  redo |= !da_div_fast_ok(w.s, n);
+  return da_div_fast(w.s, n);
+}
+__device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, float o_j) {
+  return __fdiv_rn(da_merge_num(w, o, o_j), w.s.b);
+}
+
+/*
+ * The split end of one row r of a thread's m16n8 accumulator fragments acc[NV][4] (the
+ * thread's elements of that row: acc[n][2 r], acc[n][2 r + 1]), split state (m, l):
+ *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
+ *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
+ *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
+ * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). Eight fragments at a time, so
+ * head_dim 256 does not spill; a chunk with a value outside da_div_fast_ok is redone with
+ * __fdiv_rn (the same bits).
+ */
+enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
+
+template <int NV>
+__device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, float m, float l, int how, float *part,
+                                              float *fold, float fold_lse) {
+  constexpr int NC = NV < 4 ? NV : 4;
+  const float lse_j = da_finalize_lse(m, l);
+  const da_div dl = da_div_by(l);
+  da_merge_w mw{};
+  if (how == DA_END_MERGE) mw = da_merge_weights(fold_lse, lse_j);
+#pragma unroll
+  for (int n0 = 0; n0 < NV; n0 += NC) {
+    bool redo = false;
+    float v[NC][2], f[NC][2];
+#pragma unroll
+    for (int n = 0; n < NC; n++) {
+      v[n][0] = da_finalize_o(dl, acc[n0 + n][2 * r], redo);
+      v[n][1] = da_finalize_o(dl, acc[n0 + n][2 * r + 1], redo);
+    }
+    if (how == DA_END_MERGE) {
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+        f[n][0] = fold[((n0 + n) * 4 + 2 * r) * 32];
+        f[n][1] = fold[((n0 + n) * 4 + 2 * r + 1) * 32];
+      }
+      if (!redo) {
+#pragma unroll
+        for (int n = 0; n < NC; n++) {
+          v[n][0] = da_merge_o(mw, f[n][0], v[n][0], redo);
+          v[n][1] = da_merge_o(mw, f[n][1], v[n][1], redo);
+        }
+      }
+    }
+    if (redo) {
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          v[n][e] = da_finalize_o_exact(dl, acc[n0 + n][2 * r + e]);
+          if (how == DA_END_MERGE) v[n][e] = da_merge_o_exact(mw, f[n][e], v[n][e]);
+        }
+      }
+    }
+    if (how == DA_END_WRITE) {
+#pragma unroll
+      for (int n = 0; n < NC; n++) *reinterpret_cast<float2 *>(part + (n0 + n) * 8) = make_float2(v[n][0], v[n][1]);
+    } else {
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+        fold[((n0 + n) * 4 + 2 * r) * 32] = v[n][0];
+        fold[((n0 + n) * 4 + 2 * r + 1) * 32] = v[n][1];
+      }
+    }
+  }
+  return how == DA_END_MERGE ? mw.lse : lse_j;
 }
 
 /* Output lse in natural log from the log2-domain value. */

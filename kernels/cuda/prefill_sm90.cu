@@ -220,11 +220,14 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  *   acc *= alpha(b); P(b) V(b); wait; finalize the split
  * Every row sees the same operations in the same order as in the serial form: softmax(t)
  * touches only (m, l) and its own scores, and acc is scaled by alpha(t) only after P V(t-1).
- * The pipeline drains at split ends (finalize inside the pipelined loop made ptxas serialize
- * the wgmmas: C7511).
+ * Split ends do not drain the pipeline (kernel v3.1): the next split's first S is issued
+ * with the last P V, its softmax runs on a fresh state (the old one kept for the finalize),
+ * and the finalize runs once that P V is done. The hand-over sits in the per-split outer
+ * loop, not in the steady-state loop (there ptxas serializes every wgmma: C7511).
  * pingpong (PIPE only): the two warpgroups take turns issuing their slot's wgmmas (FA3's
  * inter-warpgroup schedule, on turn[] mbarriers), so one's softmax runs under the other's
- * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up.
+ * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up;
+ * this form keeps the per-segment schedule, drained at split ends.
  */
 template <int D, bool BF16, bool PIPE>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
@@ -392,36 +395,18 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       const row_info &w = ri[r];
       const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
       if (!w.valid || j < jf || j > jl) continue;
-      const float lse_j = da_finalize_lse(fs.m[r], fs.l[r]);
+      const int how = partial ? DA_END_WRITE : j == jf ? DA_END_FIRST : DA_END_MERGE;
+      float *part = nullptr;
+      int64_t slot = 0;
       if (partial) {
-        const int64_t slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
-        float *dst = a.acc_o + slot * D + qd * 2;
-#pragma unroll
-        for (int n = 0; n < NV; n++) {
-          float2 v;
-          v.x = da_finalize_o(acc[n][2 * r], fs.l[r]);
-          v.y = da_finalize_o(acc[n][2 * r + 1], fs.l[r]);
-          *reinterpret_cast<float2 *>(dst + n * 8) = v;
-        }
-        if (qd == 0) a.acc_lse[slot] = lse_j;
-      } else if (j == jf) {
-#pragma unroll
-        for (int n = 0; n < NV; n++) {
-          fold[(n * 4 + 2 * r) * 32] = da_finalize_o(acc[n][2 * r], fs.l[r]);
-          fold[(n * 4 + 2 * r + 1) * 32] = da_finalize_o(acc[n][2 * r + 1], fs.l[r]);
-        }
-        fold_lse[r] = lse_j;
+        slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
+        part = a.acc_o + slot * D + qd * 2;
+      }
+      const float lse = da_split_end<NV>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      if (partial) {
+        if (qd == 0) a.acc_lse[slot] = lse;
       } else {
-        const da_merge_w mw = da_merge_weights(fold_lse[r], lse_j);
-#pragma unroll
-        for (int n = 0; n < NV; n++) {
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; e++) {
-            float *f = &fold[(n * 4 + e) * 32];
-            *f = da_merge_o(mw, *f, da_finalize_o(acc[n][e], fs.l[r]));
-          }
-        }
-        fold_lse[r] = mw.lse;
+        fold_lse[r] = lse;
       }
     }
   };
@@ -499,6 +484,74 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       if (t > A) release_c();
       if (t <= B) advance();
     };
+    if (!pingpong) {
+      /* One pipeline over the warpgroup's tiles, not drained at split ends: slot t issues
+       * S(t) and P V(t - 1); when t - 1 closed a split, its state moves to fs before
+       * softmax(t) starts the next split, and the finalize runs on acc once P V(t - 1) is
+       * done, with nothing in flight (S(t) is waited for already). Every row sees the
+       * segment form's operations in the same order; only the schedule differs. */
+      auto skip = [&]() {
+        wait_full();
+        advance();
+        release_c();
+      };
+      int t = kt_begin;
+      for (; t < my_begin && t <= kt_end; t++) skip();
+      if (my_begin <= my_end) {
+        wait_full();
+        issue_s(s, st_n);
+        wg_wait<0>();
+        reg_fence(s);
+        softmax(s, t, alpha);
+        pack_p(s, p);
+        advance();
+        /* Per split: its tiles after the first in the steady state, then the hand-over to
+         * the next split (its first S under this split's last P V) or the last P V. */
+        for (;;) {
+          const int b = min(my_end, (t / tps + 1) * tps - 1);
+          for (t++; t <= b; t++) {
+            wait_full();
+            issue_s(s, st_n);
+            rescale(alpha);
+            issue_pv(p, st_c);
+            wg_wait<1>();
+            reg_fence(s);
+            softmax(s, t, alpha);
+            wg_wait<0>();
+            reg_fence(acc);
+            release_c();
+            pack_p(s, p);
+            advance();
+          }
+          if (t > my_end) break;
+          wait_full();
+          issue_s(s, st_n);
+          rescale(alpha);
+          issue_pv(p, st_c);
+          wg_wait<1>();
+          reg_fence(s);
+          const da_row_state fs = st;
+          da_state_reset(st);
+          softmax(s, t, alpha);
+          wg_wait<0>();
+          reg_fence(acc);
+          release_c();
+          pack_p(s, p); /* before the finalize: p is half the registers of s */
+          finalize(t / tps - 1, fs);
+          zero_acc();
+          advance();
+        }
+        rescale(alpha);
+        issue_pv(p, st_c);
+        wg_wait<0>();
+        reg_fence(acc);
+        release_c();
+        finalize(my_end / tps, st);
+      }
+      for (; t <= kt_end; t++) skip();
+      rp.st = st_n, rp.round = ph_n;
+      goto consumed;
+    }
     for (int A = kt_begin; A <= kt_end;) {
       const int j = A / tps;
       const int B = min(kt_end, (j + 1) * tps - 1);
@@ -554,7 +607,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     }
     rp.st = st_n, rp.round = ph_n;
   }
-
+consumed:
   if (partial || !active) return;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
