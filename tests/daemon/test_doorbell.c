@@ -478,8 +478,8 @@ static int rring_handover(const rring *g, uint32_t id, uint64_t token) {
 /* A registered and handed-over ring on r. */
 static void rring_ready(da_raw *r, rring *g) {
   char msg[256];
-  uint32_t id;
-  uint64_t token;
+  uint32_t id = 0;
+  uint64_t token = 0;
   rring_make(g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   da_raw_expect(rring_register(r, g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_OK, "register the ring");
   ck_assert_int_eq(rring_handover(g, id, token), 0);
@@ -546,8 +546,8 @@ START_TEST(ring_hand_overs_are_checked) {
   da_raw r;
   da_raw_open(&r, D.url);
   char msg[256];
-  uint32_t id;
-  uint64_t token;
+  uint32_t id = 0;
+  uint64_t token = 0;
   rring g;
   /* Geometry and size are checked at registration. */
   rring_make(&g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
@@ -944,8 +944,8 @@ START_TEST(no_doorbell_where_none_is_offered) {
   rring g;
   rring_make(&g, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   char msg[256];
-  uint32_t id;
-  uint64_t token;
+  uint32_t id = 0;
+  uint64_t token = 0;
   da_raw_expect(rring_register(&r, &g, 0, &id, &token, msg, sizeof msg), msg, DETATTN_FAILED_PRECONDITION,
          "a ring on a daemon without a doorbell");
   da_raw_close(&r);

@@ -430,7 +430,7 @@ START_TEST(the_cuda_plane_is_refused_clearly_by_a_daemon_without_it) {
   da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_FAILED_PRECONDITION, "register_cuda on a CPU daemon");
   rc.handle.len = 0;
   da_raw_expect(da_raw_call(&r, &rq, msg, sizeof msg, NULL), msg, DETATTN_INVALID_ARGUMENT, "register_cuda without a handle");
-  uint64_t token;
+  uint64_t token = 0;
   uint32_t arena = raw_register(&r, 1 << 20, &token);
   int fd = make_memfd(1 << 20, 1);
   ck_assert_int_eq(handover(fd, arena, token), 0);
