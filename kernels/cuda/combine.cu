@@ -16,10 +16,11 @@ constexpr int THREADS = 128;
 constexpr int CHUNK = 512; /* splits whose weights are staged in shared memory at once */
 
 /*
- * One CTA per row. Thread 0 runs the row's lse chain (da_merge_weights, in ascending j) and
- * stages each step's weights in shared memory; every thread then folds its elements of o
- * with da_merge_o in the same order. The o_j loads are batched ahead of the fold; the order
- * of the arithmetic is the left fold's.
+ * One CTA per row. Thread 0 runs the row's lse chain (da_merge_weights_chain, in ascending
+ * j) and stages each step's weights in shared memory, the reciprocals of s are spread over
+ * the threads; every thread then folds its elements of o with da_merge_o in the same order.
+ * The o_j loads are batched ahead of the fold; the order of the arithmetic is the left
+ * fold's.
  */
 template <int D, bool BF16>
 __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
@@ -57,13 +58,20 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
     __syncthreads();
     if (tid == 0) {
       for (int k = 0; k < n; k++) {
-        const da_merge_w w = da_merge_weights(lse, s_lse[k]);
-        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s.b, s_y[k] = w.s.y;
+        const da_merge_w w = da_merge_weights_chain(lse, s_lse[k]);
+        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s.b;
         lse = w.lse;
       }
       s_out_lse = lse;
     }
     __syncthreads();
+    /* The reciprocals of s are not part of the chain: every thread takes some. */
+    for (int k = tid; k < n; k += THREADS) s_y[k] = da_div_by(s_s[k]).y;
+    __syncthreads();
+    float o_start[PER]; /* for the exact redo of this chunk */
+    bool redo = false;
+#pragma unroll
+    for (int e = 0; e < PER; e++) o_start[e] = o[e];
     for (int k0 = 0; k0 < n; k0 += BATCH) {
       float nx[BATCH][PER];
 #pragma unroll
@@ -79,17 +87,27 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
           da_merge_w w;
           w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = da_div_of(s_s[k0 + k], s_y[k0 + k]), w.lse = 0.0f;
 #pragma unroll
-          for (int e = 0; e < PER; e++) {
-            bool redo = false;
-            const float q = da_merge_o(w, o[e], v[k][e], redo);
-            o[e] = redo ? da_merge_o_exact(w, o[e], v[k][e]) : q;
-          }
+          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e], redo);
         }
       }
 #pragma unroll
       for (int k = 0; k < BATCH; k++)
 #pragma unroll
         for (int e = 0; e < PER; e++) v[k][e] = nx[k][e];
+    }
+    if (redo) {
+      /* A quotient outside da_div_fast_ok (zeros, subnormals, inf, NaN, extremes): this
+       * thread redoes the chunk with __fdiv_rn, which gives the fast path's bits wherever
+       * that applies. Out of the loop, so the loop has no call in it. */
+#pragma unroll
+      for (int e = 0; e < PER; e++) {
+        o[e] = o_start[e];
+        for (int k = 0; k < n; k++) {
+          da_merge_w w;
+          w.a = s_a[k], w.b = s_b[k], w.s = da_div_of(s_s[k], s_y[k]), w.lse = 0.0f;
+          o[e] = da_merge_o_exact(w, o[e], a.acc_o[(slot0 + c0 + k) * D + col + e * THREADS]);
+        }
+      }
     }
     __syncthreads();
   }

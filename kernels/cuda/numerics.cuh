@@ -161,14 +161,21 @@ struct da_merge_w {
   da_div s; /* a + b */
 };
 
-__device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
+/* The weights without s's reciprocal (w.s.y unset: da_div_by(w.s.b) or da_div_of later),
+ * for a serial lse chain that leaves the reciprocals to other threads. */
+__device__ __forceinline__ da_merge_w da_merge_weights_chain(float lse, float lse_j) {
   da_merge_w w;
   const float mx = fmaxf(lse, lse_j);
   w.a = da_ex2(__fsub_rn(lse, mx));
   w.b = da_ex2(__fsub_rn(lse_j, mx));
-  const float s = __fadd_rn(w.a, w.b);
-  w.s = da_div_by(s);
-  w.lse = __fadd_rn(mx, da_lg2(s));
+  w.s.b = __fadd_rn(w.a, w.b);
+  w.lse = __fadd_rn(mx, da_lg2(w.s.b));
+  return w;
+}
+
+__device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
+  da_merge_w w = da_merge_weights_chain(lse, lse_j);
+  w.s = da_div_by(w.s.b);
   return w;
 }
 

@@ -93,7 +93,7 @@ __global__ void check(int family, uint32_t n_div, uint32_t n_num, uint64_t seed,
 /* Values the fast path must refuse, against every divisor family's first divisors. */
 __global__ void refuse(int *bad) {
   const uint32_t specials[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x807fffffu, 0x00800000u, 0x7f800000u,
-                               0xff800000u, 0x7fc00000u, 0x7f7fffffu, 0x5d800000u, 0x22ffffffu, 0xa2ffffffu};
+                               0xff800000u, 0x7fc00000u, 0x7f7fffffu, 0x6d000000u, 0x127fffffu, 0x927fffffu};
   const float b = 1.5f;
   const da_div d = da_div_by(b);
   for (int i = 0; i < (int)(sizeof(specials) / sizeof(specials[0])); i++)
@@ -102,7 +102,7 @@ __global__ void refuse(int *bad) {
   for (int i = 0; i < (int)(sizeof(bad_div) / sizeof(bad_div[0])); i++)
     if (da_div_fast_ok(da_div_by(__uint_as_float(bad_div[i])), 1.0f)) atomicAdd(bad, 1);
   /* The bounds themselves: 2^-90 and just under 2^91 are in, their neighbours out. */
-  if (!da_div_fast_ok(d, __uint_as_float(0x22800000u)) || !da_div_fast_ok(d, __uint_as_float(0x5d7fffffu)))
+  if (!da_div_fast_ok(d, __uint_as_float(0x12800000u)) || !da_div_fast_ok(d, __uint_as_float(0x6cffffffu)))
     atomicAdd(bad, 1);
 }
 
