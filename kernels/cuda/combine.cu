@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
     for (int k = tid; k < n; k += THREADS) s_y[k] = da_div_by(s_s[k]).y;
     __syncthreads();
     float o_start[PER]; /* for the exact redo of this chunk */
-    bool redo = false;
+    da_range g = da_range_init();
 #pragma unroll
     for (int e = 0; e < PER; e++) o_start[e] = o[e];
     for (int k0 = 0; k0 < n; k0 += BATCH) {
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
           da_merge_w w;
           w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = da_div_of(s_s[k0 + k], s_y[k0 + k]), w.lse = 0.0f;
 #pragma unroll
-          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e], redo);
+          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e], g);
         }
       }
 #pragma unroll
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
 #pragma unroll
         for (int e = 0; e < PER; e++) v[k][e] = nx[k][e];
     }
-    if (redo) {
+    if (!da_range_ok(g)) {
       /* A quotient outside da_div_fast_ok (zeros, subnormals, inf, NaN, extremes): this
        * thread redoes the chunk with __fdiv_rn, which gives the fast path's bits wherever
        * that applies. Out of the loop, so the loop has no call in it. */

@@ -131,9 +131,40 @@ __device__ __forceinline__ da_div da_div_of(float b, float y) {
 
 __device__ __forceinline__ da_div da_div_by(float b) { return da_div_of(b, __frcp_rn(b)); }
 
-/* |a| in [2^-90, 2^91) (and the divisor's range): the fast quotient is RN(a / b). */
+/*
+ * The numerators of a group of fast quotients, for one range check per group instead of one
+ * per element: the smallest and largest magnitude (hi turns NaN with any NaN) and whether
+ * some divisor was outside its range. da_range_ok: every quotient of the group was in the
+ * fast range (|a| in [2^-90, 2^91), b in range), so each is RN(a / b).
+ */
+struct da_range {
+  float lo, hi;
+  bool div_bad;
+};
+
+__device__ __forceinline__ da_range da_range_init() { return da_range{INFINITY, 0.0f, false}; }
+
+__device__ __forceinline__ float da_max_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+__device__ __forceinline__ void da_range_add(da_range &g, const da_div &d, float a) {
+  g.lo = fminf(g.lo, fabsf(a));
+  g.hi = da_max_nan(g.hi, fabsf(a));
+  g.div_bad |= !d.ok;
+}
+
+__device__ __forceinline__ bool da_range_ok(const da_range &g) {
+  return !g.div_bad && g.lo >= 0x1p-90f && g.hi < 0x1p91f;
+}
+
+/* One quotient's check (tests). */
 __device__ __forceinline__ bool da_div_fast_ok(const da_div &d, float a) {
-  return d.ok && ((__float_as_uint(a) >> 23) & 0xffu) - (127u - 90u) <= 180u;
+  da_range g = da_range_init();
+  da_range_add(g, d, a);
+  return da_range_ok(g);
 }
 
 __device__ __forceinline__ float da_div_fast(const da_div &d, float a) {
@@ -145,10 +176,10 @@ __device__ __forceinline__ float da_div_fast(const da_div &d, float a) {
 }
 
 /* Split finalize: o_j = acc / l, lse_j = m + log2(l). Only for rows with l > 0.
- * da_finalize_o is the fast quotient and sets redo when the row must be redone with
- * da_finalize_o_exact (same bits where both apply). */
-__device__ __forceinline__ float da_finalize_o(const da_div &l, float acc, bool &redo) {
-  redo |= !da_div_fast_ok(l, acc);
+ * da_finalize_o is the fast quotient; when its group's da_range is not da_range_ok the
+ * group is redone with da_finalize_o_exact (same bits where both apply). */
+__device__ __forceinline__ float da_finalize_o(const da_div &l, float acc, da_range &g) {
+  da_range_add(g, l, acc);
   return da_div_fast(l, acc);
 }
 __device__ __forceinline__ float da_finalize_o_exact(const da_div &l, float acc) { return __fdiv_rn(acc, l.b); }
@@ -182,9 +213,9 @@ __device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
 __device__ __forceinline__ float da_merge_num(const da_merge_w &w, float o, float o_j) {
   return __fmaf_rn(w.a, o, __fmul_rn(w.b, o_j));
 }
-__device__ __forceinline__ float da_merge_o(const da_merge_w &w, float o, float o_j, bool &redo) {
+__device__ __forceinline__ float da_merge_o(const da_merge_w &w, float o, float o_j, da_range &g) {
   const float n = da_merge_num(w, o, o_j);
-  redo |= !da_div_fast_ok(w.s, n);
+  da_range_add(g, w.s, n);
   return da_div_fast(w.s, n);
 }
 __device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, float o_j) {
@@ -197,9 +228,10 @@ __device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, 
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
  *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
  *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
- * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). Eight fragments at a time, so
- * head_dim 256 does not spill; a chunk with a value outside da_div_fast_ok is redone with
- * __fdiv_rn (the same bits).
+ * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). Four fragments at a time, so
+ * head_dim 256 does not spill; a chunk whose da_range is not da_range_ok is redone with
+ * __fdiv_rn (the same bits). A merge numerator computed from a wrong fast o_j only marks
+ * the chunk for the redo, which recomputes both.
  */
 enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
 
@@ -213,12 +245,12 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
   if (how == DA_END_MERGE) mw = da_merge_weights(fold_lse, lse_j);
 #pragma unroll
   for (int n0 = 0; n0 < NV; n0 += NC) {
-    bool redo = false;
+    da_range g = da_range_init();
     float v[NC][2], f[NC][2];
 #pragma unroll
     for (int n = 0; n < NC; n++) {
-      v[n][0] = da_finalize_o(dl, acc[n0 + n][2 * r], redo);
-      v[n][1] = da_finalize_o(dl, acc[n0 + n][2 * r + 1], redo);
+      v[n][0] = da_finalize_o(dl, acc[n0 + n][2 * r], g);
+      v[n][1] = da_finalize_o(dl, acc[n0 + n][2 * r + 1], g);
     }
     if (how == DA_END_MERGE) {
 #pragma unroll
@@ -226,15 +258,13 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
         f[n][0] = fold[((n0 + n) * 4 + 2 * r) * 32];
         f[n][1] = fold[((n0 + n) * 4 + 2 * r + 1) * 32];
       }
-      if (!redo) {
 #pragma unroll
-        for (int n = 0; n < NC; n++) {
-          v[n][0] = da_merge_o(mw, f[n][0], v[n][0], redo);
-          v[n][1] = da_merge_o(mw, f[n][1], v[n][1], redo);
-        }
+      for (int n = 0; n < NC; n++) {
+        v[n][0] = da_merge_o(mw, f[n][0], v[n][0], g);
+        v[n][1] = da_merge_o(mw, f[n][1], v[n][1], g);
       }
     }
-    if (redo) {
+    if (!da_range_ok(g)) {
 #pragma unroll
       for (int n = 0; n < NC; n++) {
 #pragma unroll
