@@ -228,17 +228,17 @@ __device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, 
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
  *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
  *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
- * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). Four fragments at a time, so
- * head_dim 256 does not spill; a chunk whose da_range is not da_range_ok is redone with
+ * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). CHUNK fragments at a time (4:
+ * head_dim 256 on mma.sync does not spill; the wgmma consumers have room for more); a chunk whose da_range is not da_range_ok is redone with
  * __fdiv_rn (the same bits). A merge numerator computed from a wrong fast o_j only marks
  * the chunk for the redo, which recomputes both.
  */
 enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
 
-template <int NV>
+template <int NV, int CHUNK = 4>
 __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, float m, float l, int how, float *part,
                                               float *fold, float fold_lse) {
-  constexpr int NC = NV < 4 ? NV : 4;
+  constexpr int NC = NV < CHUNK ? NV : CHUNK;
   const float lse_j = da_finalize_lse(m, l);
   const da_div dl = da_div_by(l);
   da_merge_w mw{};

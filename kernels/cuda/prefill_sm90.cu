@@ -402,7 +402,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV, 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {

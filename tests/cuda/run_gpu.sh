@@ -2,6 +2,7 @@
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
 # Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill] [--quick]
+# SPLIT=N: the bench's fixed split size S (default 512, the daemon's default).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal).
 set -u
@@ -19,12 +20,8 @@ cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90
 t0=$(date +%s.%N)
 cmake --build build-gpu --target da_cuda -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 t1=$(date +%s.%N)
-# Every target a gpu-labelled test runs (those present in this tree).
-tgts=""
-for t in test_cuda test_backend_async test_cuda_plane test_tp detattnd detattn_cli; do
-  ninja -C build-gpu -t targets all 2>/dev/null | grep -q "^$t:" && tgts="$tgts $t"
-done
-cmake --build build-gpu --target $tgts -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
+# Everything: the gpu-labelled tests use test binaries, the daemon, the CLI and tools.
+cmake --build build-gpu -j16 >> "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -40; exit 1; }
 echo "da_cuda build (16 jobs): $(python3 -c "print(round($t1 - $t0, 1))") s" | tee "$OUT/summary.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -52,7 +49,7 @@ if [ "$what" != tests ]; then
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu-prefill.txt" | grep -E "[0-9]" | head -90
     exit 0
   fi
-  $BENCH $bqs > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
+  $BENCH $bqs ${SPLIT:+--split $SPLIT} > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
   python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
     > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
   cat "$OUT/ours.csv"
