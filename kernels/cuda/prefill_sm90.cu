@@ -30,6 +30,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <type_traits>
+
 #include "cuda_kernels.h"
 #include "numerics.cuh"
 #include "sm90.cuh"
@@ -484,6 +486,33 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       if (t > A) release_c();
       if (t <= B) advance();
     };
+    /* One steady-state slot for tile t: S(t) and P V(t - 1) issued, softmax(t) under that
+     * P V. NEW_SPLIT (t starts a split, t - 1 ended one; never in ping-pong form): t's
+     * softmax starts from a fresh state and the finished split is finalized once its last
+     * P V is done. A compile-time flag, so the steady-state loop has no finalize in it. */
+    auto slot = [&](int t, auto new_split) {
+      constexpr bool NEW_SPLIT = decltype(new_split)::value;
+      wait_full();
+      turn_wait();
+      issue_s(s, st_n);
+      rescale(alpha);
+      issue_pv(p, st_c);
+      turn_pass();
+      wg_wait<1>();
+      reg_fence(s);
+      da_row_state fs = st;
+      if constexpr (NEW_SPLIT) da_state_reset(st);
+      softmax(s, t, alpha);
+      wg_wait<0>();
+      reg_fence(acc);
+      release_c();
+      pack_p(s, p); /* before a finalize: p is half the registers of s */
+      if constexpr (NEW_SPLIT) {
+        finalize(t / tps - 1, fs);
+        zero_acc();
+      }
+      advance();
+    };
     if (!pingpong) {
       /* One pipeline over the warpgroup's tiles, not drained at split ends: slot t issues
        * S(t) and P V(t - 1); when t - 1 closed a split, its state moves to fs before
@@ -509,37 +538,9 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
          * the next split (its first S under this split's last P V) or the last P V. */
         for (;;) {
           const int b = min(my_end, (t / tps + 1) * tps - 1);
-          for (t++; t <= b; t++) {
-            wait_full();
-            issue_s(s, st_n);
-            rescale(alpha);
-            issue_pv(p, st_c);
-            wg_wait<1>();
-            reg_fence(s);
-            softmax(s, t, alpha);
-            wg_wait<0>();
-            reg_fence(acc);
-            release_c();
-            pack_p(s, p);
-            advance();
-          }
+          for (t++; t <= b; t++) slot(t, std::false_type{});
           if (t > my_end) break;
-          wait_full();
-          issue_s(s, st_n);
-          rescale(alpha);
-          issue_pv(p, st_c);
-          wg_wait<1>();
-          reg_fence(s);
-          const da_row_state fs = st;
-          da_state_reset(st);
-          softmax(s, t, alpha);
-          wg_wait<0>();
-          reg_fence(acc);
-          release_c();
-          pack_p(s, p); /* before the finalize: p is half the registers of s */
-          finalize(t / tps - 1, fs);
-          zero_acc();
-          advance();
+          slot(t, std::true_type{});
         }
         rescale(alpha);
         issue_pv(p, st_c);
@@ -549,65 +550,48 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         finalize(my_end / tps, st);
       }
       for (; t <= kt_end; t++) skip();
-      rp.st = st_n, rp.round = ph_n;
-      goto consumed;
-    }
-    for (int A = kt_begin; A <= kt_end;) {
-      const int j = A / tps;
-      const int B = min(kt_end, (j + 1) * tps - 1);
-      const int a = max(A, my_begin), b = min(B, my_end);
-      int t = A;
-      if (a <= b) {
-        for (; t < a; t++) idle_slot(t, A, B);
-        /* First tile: S alone. */
-        da_state_reset(st);
-        zero_acc();
-        wait_full();
-        turn_wait();
-        issue_s(s, st_n);
-        turn_pass();
-        if (t > A) release_c();
-        wg_wait<0>();
-        reg_fence(s);
-        softmax(s, t, alpha);
-        pack_p(s, p);
-        advance();
-        /* Steady state: S(t), P V(t - 1), softmax(t) under that P V. */
-        for (t++; t <= b; t++) {
+    } else {
+      for (int A = kt_begin; A <= kt_end;) {
+        const int j = A / tps;
+        const int B = min(kt_end, (j + 1) * tps - 1);
+        const int a = max(A, my_begin), b = min(B, my_end);
+        int t = A;
+        if (a <= b) {
+          for (; t < a; t++) idle_slot(t, A, B);
+          /* First tile: S alone. */
+          da_state_reset(st);
+          zero_acc();
           wait_full();
           turn_wait();
           issue_s(s, st_n);
+          turn_pass();
+          if (t > A) release_c();
+          wg_wait<0>();
+          reg_fence(s);
+          softmax(s, t, alpha);
+          pack_p(s, p);
+          advance();
+          /* Steady state: S(t), P V(t - 1), softmax(t) under that P V. */
+          for (t++; t <= b; t++) slot(t, std::false_type{});
+          /* Last tile of the segment: P V alone, then the split's finalize. */
+          if (t <= B) wait_full();
+          turn_wait();
           rescale(alpha);
           issue_pv(p, st_c);
           turn_pass();
-          wg_wait<1>();
-          reg_fence(s);
-          softmax(s, t, alpha);
           wg_wait<0>();
           reg_fence(acc);
           release_c();
-          pack_p(s, p);
-          advance();
+          if (t <= B) advance();
+          finalize(j, st);
+          t++;
         }
-        /* Last tile of the segment: P V alone, then the split's finalize. */
-        if (t <= B) wait_full();
-        turn_wait();
-        rescale(alpha);
-        issue_pv(p, st_c);
-        turn_pass();
-        wg_wait<0>();
-        reg_fence(acc);
-        release_c();
-        if (t <= B) advance();
-        finalize(j, st);
-        t++;
+        for (; t <= B + 1; t++) idle_slot(t, A, B);
+        A = B + 1;
       }
-      for (; t <= B + 1; t++) idle_slot(t, A, B);
-      A = B + 1;
     }
     rp.st = st_n, rp.round = ph_n;
   }
-consumed:
   if (partial || !active) return;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
