@@ -180,8 +180,12 @@ static struct flight *flights_alloc(void);
  * kernel can run at all (an sm_90a build, an sm_90 device, head_dim 64 or 128); elsewhere
  * attn.cu. Every choice gives the same bits (tests/cuda/test_wgmma.c); this is a speed choice,
  * from tests/cuda/run_wgmma.sh's table.
+ * H100, v3.1 (NOTES.md): at head_dim 128 ping-pong beat pipelined by 8-14 % on B 8 L 4k
+ * (its warpgroups alternate, so one's split-end finalize can run under the other's MMAs) and
+ * lost 1-3 % on B 2 L 16k; at 64 pipelined was 1.5-2.5 % faster.
  */
-#define DA_CUDA_PREFILL_DEFAULT(head_dim) ((head_dim) == 64 || (head_dim) == 128 ? DA_CU_SM90_PIPELINED : 0)
+#define DA_CUDA_PREFILL_DEFAULT(head_dim) \
+  ((head_dim) == 64 ? DA_CU_SM90_PIPELINED : (head_dim) == 128 ? DA_CU_SM90_PINGPONG : 0)
 
 /* DA_CUDA_PREFILL (tests and benchmarks): mma (attn.cu), wgmma (the default wgmma variant),
  * wgmma-serial, wgmma-pipelined, wgmma-pingpong. */
