@@ -74,17 +74,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
   }
 }
 
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-  }
-}
-
 struct row_info {
   int valid, t, h, p, w0, jf, jl;
 };
@@ -290,8 +279,8 @@ attn_kernel(const da_cu_args a) {
         if (qd == 0) x_sum[warp * 16 + row] = ps;
       }
       uint2 pw;
-      pw.x = pack2<BF16>(s[0][0], s[0][1]);
-      pw.y = pack2<BF16>(s[0][2], s[0][3]);
+      pw.x = da_pack2<BF16>(s[0][0], s[0][1]);
+      pw.y = da_pack2<BF16>(s[0][2], s[0][3]);
       reinterpret_cast<uint2 *>(x_p)[warp * 32 + lane] = pw;
       __syncthreads();
 #pragma unroll
@@ -388,10 +377,10 @@ attn_kernel(const da_cu_args a) {
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
         uint32_t pa[4];
-        pa[0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-        pa[1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-        pa[2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        pa[0] = da_pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+        pa[1] = da_pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+        pa[2] = da_pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        pa[3] = da_pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
 #pragma unroll
         for (int dp = 0; dp < D / 16; dp++) {
           uint32_t vf[4];
@@ -440,7 +429,7 @@ attn_kernel(const da_cu_args a) {
                                                  dcol0 * 8 + qd * 2);
 #pragma unroll
     for (int n = 0; n < NV; n++)
-      dst[n * 4] = pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
+      dst[n * 4] = da_pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
     if (at.lse_off >= 0 && qd == 0 && lse_writer) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }

@@ -11,6 +11,8 @@
 #ifndef DA_CUDA_NUMERICS_CUH
 #define DA_CUDA_NUMERICS_CUH
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -26,6 +28,19 @@ __device__ __forceinline__ float da_lg2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+/* Two fp32 values rounded to the input dtype (nearest even) and packed: P before P V, and
+ * the output (contract step 6). */
+template <bool BF16>
+__device__ __forceinline__ uint32_t da_pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&h);
+  }
 }
 
 /* Score in the log2 domain from the raw fp32 dot product q.k. */

@@ -63,17 +63,6 @@ struct layout {
   static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
 };
 
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&h);
-  }
-}
-
 /* A row of the block: valid, its position p and window start w0 (the rest is recomputed at
  * split ends, to keep registers for the tiles). */
 struct row_info {
@@ -384,10 +373,10 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   auto pack_p = [&](const float (&s)[NTS][4], uint32_t (&p)[BN / 16][4]) {
 #pragma unroll
     for (int kc = 0; kc < BN / 16; kc++) {
-      p[kc][0] = pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-      p[kc][1] = pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-      p[kc][2] = pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-      p[kc][3] = pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+      p[kc][0] = da_pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
+      p[kc][1] = da_pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
+      p[kc][2] = da_pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+      p[kc][3] = da_pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
   };
   /* Split j is complete for the warpgroup's rows (state fs): finalize and fold or write. */
@@ -600,7 +589,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
     uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
 #pragma unroll
-    for (int n = 0; n < NV; n++) dst[n * 4] = pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
+    for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
     if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
