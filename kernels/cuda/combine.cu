@@ -12,139 +12,259 @@
 
 namespace {
 
-constexpr int THREADS = 128;
-constexpr int CHUNK = 512; /* splits whose weights are staged in shared memory at once */
+/*
+ * One CTA per row: D fold threads (one column of o each) and one chain warp. The merge
+ * weights of split j need the lse merged over the splits before it, a serial chain (max,
+ * sub, ex2, add, lg2, add: ~55 cycles a split) that costs more per split than the fold of
+ * o does. So the chain warp computes the weights a chunk of CH splits at a time into a ring
+ * in shared memory, and the fold threads fold chunk c while the chain computes chunk c + 1:
+ * a row takes one chain plus one chunk. The o_j of a row are one contiguous block of the
+ * pool; they are copied into a ring of the same chunks (bulk copies on sm_90, cp.async on
+ * sm_80) from the start, so the fold reads shared memory only. The arithmetic and its order
+ * are the left fold's; only the schedule is new.
+ *
+ * Ring slot s holds chunk c = s, s + R, s + 2R, ...; mbarriers per slot:
+ *   wfull   a, b, s of the chunk are written (one arrival: the chain warp)
+ *   dfull   the chunk's o_j have landed (sm_90: one arrival plus the bytes; sm_80: one
+ *           arrival per fold thread, made by its cp.async)
+ *   wempty  every fold thread is done with the chunk (one arrival: fold thread 0)
+ */
+template <int D>
+struct shape {
+  static constexpr int FOLD = D;                 /* fold threads */
+  static constexpr int THREADS = FOLD + 32;      /* and the chain warp */
+  static constexpr int CH = D <= 128 ? 16 : 8;   /* splits per chunk */
+  static constexpr int R = 4;                    /* ring slots: 16 KiB (d 64) or 32 KiB of o_j */
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+/* Waits for the phase of the given parity to complete (try_wait suspends the thread on
+ * sm_90, so waiting fold warps leave the issue slots to the chain warp). */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#else
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+#endif
+  } while (!done);
+}
+
+/* Named barrier 1 over the fold threads (the chain warp runs on without it). */
+template <int COUNT>
+__device__ __forceinline__ void fold_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(COUNT) : "memory");
+}
 
 /*
- * One CTA per row. Thread 0 runs the row's lse chain (da_merge_weights_chain, in ascending
- * j) and stages each step's weights in shared memory, the reciprocals of s are spread over
- * the threads; every thread then folds its elements of o with da_merge_o in the same order.
- * The o_j loads are batched ahead of the fold; the order of the arithmetic is the left
- * fold's.
+ * n floats (a multiple of 4) from src to shared dst, completing on mbarrier bar. Called by
+ * every fold thread: on sm_90 thread 0 issues one bulk copy, on sm_80 each thread copies
+ * its 16-byte pieces and its cp.async arrives on bar when they have landed.
  */
+template <int FOLD>
+__device__ __forceinline__ void load_chunk(float *dst, const float *src, int n, uint32_t bar, int tid) {
+#if __CUDA_ARCH__ >= 900
+  if (tid == 0) {
+    const uint32_t bytes = (uint32_t)n * 4u;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+  }
+#else
+  for (int i = tid * 4; i < n; i += FOLD * 4)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst + i)), "l"(src + i) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
 template <int D, bool BF16>
-__global__ void __launch_bounds__(THREADS) combine_kernel(const da_cu_args a) {
-  constexpr int PER = D > THREADS ? D / THREADS : 1;
-  constexpr int BATCH = 16;  /* o_j loads in flight per thread (64 measured slower) */
-  __shared__ float s_lse[CHUNK], s_a[CHUNK], s_b[CHUNK], s_s[CHUNK], s_y[CHUNK];
-  __shared__ float s_out_lse;
+__global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_args a) {
+  constexpr int FOLD = shape<D>::FOLD, CH = shape<D>::CH, R = shape<D>::R;
+  __shared__ __align__(128) float s_o[R][CH * D]; /* o_j of a chunk: [split][column] */
+  __shared__ float4 s_w[R][CH];                   /* weights of a chunk: a, b, s, y = RN(1/s) */
+  __shared__ uint64_t s_bar[3][R];                /* wfull, dfull, wempty */
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
   const int tid = threadIdx.x;
   const int row = ci.row0;
-  const int t = row / a.n_q_heads;
-  const int p = at.q_pos + t;
+  const int p = at.q_pos + row / a.n_q_heads;
   const int w0 = a.window > 0 ? max(0, p - a.window + 1) : 0;
-  const int jf = w0 / a.split_tokens, jl = p / a.split_tokens;
-  const int64_t slot0 = at.slot_base + (int64_t)row * at.n_splits;
-  const bool active = tid < D;
-  const int col = active ? tid : 0;
+  const int jf = w0 / a.split_tokens;
+  const int n = p / a.split_tokens - jf; /* splits merged into the first one */
+  const int nch = (n + CH - 1) / CH;
+  const int64_t first = at.slot_base + (int64_t)row * at.n_splits + jf; /* slot of split jf */
+  const uint32_t wfull = smem_u32(s_bar[0]), dfull = smem_u32(s_bar[1]), wempty = smem_u32(s_bar[2]);
+#if __CUDA_ARCH__ >= 900
+  constexpr uint32_t DFULL_ARRIVALS = 1;
+#else
+  constexpr uint32_t DFULL_ARRIVALS = FOLD;
+#endif
 
-  float o[PER];
-#pragma unroll
-  for (int e = 0; e < PER; e++) o[e] = a.acc_o[(slot0 + jf) * D + col + e * THREADS];
-  float lse = a.acc_lse[slot0 + jf]; /* the chain's state, used by thread 0 */
-
-  for (int c0 = jf + 1; c0 <= jl; c0 += CHUNK) {
-    const int n = min(CHUNK, jl - c0 + 1);
-    for (int k = tid; k < n; k += THREADS) s_lse[k] = a.acc_lse[slot0 + c0 + k];
-    /* Loads of the first batch go out before the weights are ready. */
-    float v[BATCH][PER];
-#pragma unroll
-    for (int k = 0; k < BATCH; k++)
-#pragma unroll
-      for (int e = 0; e < PER; e++)
-        v[k][e] = k < n ? a.acc_o[(slot0 + c0 + k) * D + col + e * THREADS] : 0.0f;
-    __syncthreads();
-    if (tid == 0) {
-      for (int k = 0; k < n; k++) {
-        const da_merge_w w = da_merge_weights_chain(lse, s_lse[k]);
-        s_a[k] = w.a, s_b[k] = w.b, s_s[k] = w.s.b;
-        lse = w.lse;
-      }
-      s_out_lse = lse;
+  if (tid == 0) {
+    for (int s = 0; s < R; s++) {
+      mbar_init(wfull + 8 * s, 1);
+      mbar_init(dfull + 8 * s, DFULL_ARRIVALS);
+      mbar_init(wempty + 8 * s, 1);
     }
-    __syncthreads();
-    /* The reciprocals of s are not part of the chain: every thread takes some. */
-    for (int k = tid; k < n; k += THREADS) s_y[k] = da_div_by(s_s[k]).y;
-    __syncthreads();
-    float o_start[PER]; /* for the exact redo of this chunk */
-    da_range g = da_range_init();
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+  }
+  __syncthreads();
+#if __CUDA_ARCH__ >= 900
+  /* Launched as a programmatic dependent of the attention kernel: the lines above may run
+   * during its last wave; the partials are read only once it has completed. */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+
+  if (tid >= FOLD) {
+    /* The chain warp: every lane runs the same chain (no divergence), lane 0 publishes. The
+     * lse_j of the next chunk are loaded while this one's chain runs. */
+    const bool lead = tid == FOLD;
+    const float *lse_j = a.acc_lse + first + 1;
+    float lse = a.acc_lse[first];
+    float cur[CH], nxt[CH];
 #pragma unroll
-    for (int e = 0; e < PER; e++) o_start[e] = o[e];
-    for (int k0 = 0; k0 < n; k0 += BATCH) {
-      float nx[BATCH][PER];
+    for (int k = 0; k < CH; k++) cur[k] = k < n ? lse_j[k] : 0.0f;
+    for (int c = 0; c < nch; c++) {
+      const int s = c % R, m = min(CH, n - c * CH), j1 = (c + 1) * CH;
 #pragma unroll
-      for (int k = 0; k < BATCH; k++)
+      for (int k = 0; k < CH; k++) nxt[k] = j1 + k < n ? lse_j[j1 + k] : 0.0f;
+      if (c >= R) mbar_wait(wempty + 8 * s, ((c / R) - 1) & 1);
+      float4 *w = s_w[s];
+      auto step = [&](int k) {
+        const da_merge_w mw = da_merge_weights_chain(lse, cur[k]);
+        if (lead) w[k] = make_float4(mw.a, mw.b, mw.s.b, 0.0f);
+        lse = mw.lse;
+      };
+      if (m == CH) {
 #pragma unroll
-        for (int e = 0; e < PER; e++) {
-          const int kk = k0 + BATCH + k;
-          nx[k][e] = kk < n ? a.acc_o[(slot0 + c0 + kk) * D + col + e * THREADS] : 0.0f;
-        }
+        for (int k = 0; k < CH; k++) step(k);
+      } else {
 #pragma unroll
-      for (int k = 0; k < BATCH; k++) {
-        if (k0 + k < n) {
-          da_merge_w w;
-          w.a = s_a[k0 + k], w.b = s_b[k0 + k], w.s = da_div_of(s_s[k0 + k], s_y[k0 + k]), w.lse = 0.0f;
-#pragma unroll
-          for (int e = 0; e < PER; e++) o[e] = da_merge_o(w, o[e], v[k][e], g);
-        }
+        for (int k = 0; k < CH; k++)
+          if (k < m) step(k);
       }
+      if (lead) mbar_arrive(wfull + 8 * s);
 #pragma unroll
-      for (int k = 0; k < BATCH; k++)
+      for (int k = 0; k < CH; k++) cur[k] = nxt[k];
+    }
+    if (lead && at.lse_off >= 0) a.lse[at.lse_off + row] = da_lse_out(lse);
+    return;
+  }
+
+  auto chunk_src = [&](int c) { return a.acc_o + (first + 1 + (int64_t)c * CH) * D; };
+  auto chunk_len = [&](int c) { return min(CH, n - c * CH); };
+  for (int c = 0; c < R && c < nch; c++) load_chunk<FOLD>(s_o[c], chunk_src(c), chunk_len(c) * D, dfull + 8 * c, tid);
+  float o = a.acc_o[first * D + tid];
+  for (int c = 0; c < nch; c++) {
+    const int s = c % R, m = chunk_len(c);
+    const uint32_t ph = (c / R) & 1;
+    float4 *w = s_w[s];
+    mbar_wait(wfull + 8 * s, ph);
+    /* The reciprocals of s are not part of the chain: taken here, one split per thread. */
+    if (tid < m) w[tid].w = da_div_by(w[tid].z).y;
+    fold_sync<FOLD>();
+    if (c > 0) {
+      /* Every fold thread is past chunk c - 1: its slot takes chunk c - 1 + R. */
+      const int sp = (c - 1) % R, cn = c - 1 + R;
+      if (tid == 0) mbar_arrive(wempty + 8 * sp);
+      if (cn < nch) load_chunk<FOLD>(s_o[sp], chunk_src(cn), chunk_len(cn) * D, dfull + 8 * sp, tid);
+    }
+    mbar_wait(dfull + 8 * s, ph);
+    const float *x = s_o[s] + tid;
+    const float o_start = o; /* for the exact redo of this chunk */
+    da_range g = da_range_init();
+    auto merge = [&](int k) {
+      const float4 q = w[k];
+      da_merge_w mw;
+      mw.a = q.x, mw.b = q.y, mw.s = da_div_of(q.z, q.w), mw.lse = 0.0f;
+      o = da_merge_o(mw, o, x[k * D], g);
+    };
+    if (m == CH) {
 #pragma unroll
-        for (int e = 0; e < PER; e++) v[k][e] = nx[k][e];
+      for (int k = 0; k < CH; k++) merge(k);
+    } else {
+      for (int k = 0; k < m; k++) merge(k);
     }
     if (!da_range_ok(g)) {
       /* A quotient outside da_div_fast_ok (zeros, subnormals, inf, NaN, extremes): this
        * thread redoes the chunk with __fdiv_rn, which gives the fast path's bits wherever
        * that applies. Out of the loop, so the loop has no call in it. */
-#pragma unroll
-      for (int e = 0; e < PER; e++) {
-        o[e] = o_start[e];
-        for (int k = 0; k < n; k++) {
-          da_merge_w w;
-          w.a = s_a[k], w.b = s_b[k], w.s = da_div_of(s_s[k], s_y[k]), w.lse = 0.0f;
-          o[e] = da_merge_o_exact(w, o[e], a.acc_o[(slot0 + c0 + k) * D + col + e * THREADS]);
-        }
+      o = o_start;
+      for (int k = 0; k < m; k++) {
+        const float4 q = w[k];
+        da_merge_w mw;
+        mw.a = q.x, mw.b = q.y, mw.s = da_div_of(q.z, q.w), mw.lse = 0.0f;
+        o = da_merge_o_exact(mw, o, x[k * D]);
       }
     }
-    __syncthreads();
   }
-  if (tid == 0 && jl == jf) s_out_lse = lse;
-  __syncthreads();
-  if (!active) return;
-  uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + col;
-#pragma unroll
-  for (int e = 0; e < PER; e++) {
-    if constexpr (BF16) {
-      __nv_bfloat16 h = __float2bfloat16_rn(o[e]);
-      dst[e * THREADS] = *reinterpret_cast<uint16_t *>(&h);
-    } else {
-      __half h = __float2half_rn(o[e]);
-      dst[e * THREADS] = *reinterpret_cast<uint16_t *>(&h);
-    }
+  uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + tid;
+  if constexpr (BF16) {
+    __nv_bfloat16 h = __float2bfloat16_rn(o);
+    *dst = *reinterpret_cast<uint16_t *>(&h);
+  } else {
+    __half h = __float2half_rn(o);
+    *dst = *reinterpret_cast<uint16_t *>(&h);
   }
-  if (at.lse_off >= 0 && tid == 0) a.lse[at.lse_off + row] = da_lse_out(s_out_lse);
 }
 
+/* Programmatic dependent launch where the device has it (sm_90 and later): the combine's
+ * CTAs start while the attention kernel's last CTAs run (attn.cu triggers it) and wait in
+ * griddepcontrol.wait for its completion. */
 template <int D, bool BF16>
-cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
-  combine_kernel<D, BF16><<<a->n_citems, THREADS, 0, stream>>>(*a);
-  return cudaGetLastError();
+cudaError_t launch(const da_cu_args *a, bool pdl, cudaStream_t stream) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3((unsigned)a->n_citems);
+  lc.blockDim = dim3(shape<D>::THREADS);
+  lc.stream = stream;
+  lc.attrs = &attr;
+  lc.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&lc, combine_kernel<D, BF16>, *a);
 }
 
 } // namespace
 
 extern "C" int da_cuda_combine(const da_cu_args *a, cudaStream_t stream) {
   if (a->n_citems == 0) return 0;
+  int dev = 0, major = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e != cudaSuccess) return (int)e;
+  const bool pdl = major >= 9;
   switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
-  case 64 * 2 + 1: return (int)launch<64, true>(a, stream);
-  case 64 * 2: return (int)launch<64, false>(a, stream);
-  case 128 * 2 + 1: return (int)launch<128, true>(a, stream);
-  case 128 * 2: return (int)launch<128, false>(a, stream);
-  case 256 * 2 + 1: return (int)launch<256, true>(a, stream);
-  case 256 * 2: return (int)launch<256, false>(a, stream);
+  case 64 * 2 + 1: return (int)launch<64, true>(a, pdl, stream);
+  case 64 * 2: return (int)launch<64, false>(a, pdl, stream);
+  case 128 * 2 + 1: return (int)launch<128, true>(a, pdl, stream);
+  case 128 * 2: return (int)launch<128, false>(a, pdl, stream);
+  case 256 * 2 + 1: return (int)launch<256, true>(a, pdl, stream);
+  case 256 * 2: return (int)launch<256, false>(a, pdl, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
