@@ -112,6 +112,12 @@ attn_kernel(const da_cu_args a) {
   constexpr int XCH_B = SPLIT ? 4096 : 0; /* exchange buffers */
   constexpr bool QREG = D <= 128;       /* Q fragments stay in registers */
   const int nst = a.stages;             /* 2 or 3 K/V stages */
+#if __CUDA_ARCH__ >= 900
+  /* The combine, launched next as a programmatic dependent, may be scheduled once every CTA
+   * of this grid has started; it reads the partials only after this grid has completed
+   * (griddepcontrol.wait), so triggering early is safe. */
+  asm volatile("griddepcontrol.launch_dependents;\n");
+#endif
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char *qs = smem;
   float *x_max = reinterpret_cast<float *>(qs + QROWS * D * 2); /* [NW][16] */
