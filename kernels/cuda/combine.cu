@@ -4,6 +4,8 @@
  * split, with the same da_merge_weights / da_merge_o as the in-row fold in attn.cu. One
  * split: the output is o_0 rounded, no merge applied.
  */
+#include <atomic>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -232,11 +234,26 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   }
 }
 
-/* Programmatic dependent launch where the device has it (sm_90 and later): the combine's
- * CTAs start while the attention kernel's last CTAs run (attn.cu triggers it) and wait in
- * griddepcontrol.wait for its completion. */
+/*
+ * Programmatic dependent launch: the combine's CTAs start while the attention kernel's last
+ * CTAs run (attn.cu triggers it) and wait in griddepcontrol.wait for its completion. Only
+ * where the image that runs was built from sm_90 or later PTX: an sm_80 image (also one
+ * JIT-compiled for a newer device) has no wait. Asked once per device.
+ */
 template <int D, bool BF16>
-cudaError_t launch(const da_cu_args *a, bool pdl, cudaStream_t stream) {
+cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
+  static std::atomic<int> pdl_of[64]; /* per device: 0 not asked yet, 1 no, 2 yes */
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  int pdl = dev < 64 ? pdl_of[dev].load(std::memory_order_relaxed) : 0;
+  if (pdl == 0) {
+    cudaFuncAttributes fa;
+    e = cudaFuncGetAttributes(&fa, combine_kernel<D, BF16>);
+    if (e != cudaSuccess) return e;
+    pdl = fa.ptxVersion >= 90 ? 2 : 1;
+    if (dev < 64) pdl_of[dev].store(pdl, std::memory_order_relaxed);
+  }
   cudaLaunchAttribute attr;
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr.val.programmaticStreamSerializationAllowed = 1;
@@ -245,7 +262,7 @@ cudaError_t launch(const da_cu_args *a, bool pdl, cudaStream_t stream) {
   lc.blockDim = dim3(shape<D>::THREADS);
   lc.stream = stream;
   lc.attrs = &attr;
-  lc.numAttrs = pdl ? 1 : 0;
+  lc.numAttrs = pdl == 2 ? 1 : 0;
   return cudaLaunchKernelEx(&lc, combine_kernel<D, BF16>, *a);
 }
 
@@ -253,18 +270,13 @@ cudaError_t launch(const da_cu_args *a, bool pdl, cudaStream_t stream) {
 
 extern "C" int da_cuda_combine(const da_cu_args *a, cudaStream_t stream) {
   if (a->n_citems == 0) return 0;
-  int dev = 0, major = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (e != cudaSuccess) return (int)e;
-  const bool pdl = major >= 9;
   switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
-  case 64 * 2 + 1: return (int)launch<64, true>(a, pdl, stream);
-  case 64 * 2: return (int)launch<64, false>(a, pdl, stream);
-  case 128 * 2 + 1: return (int)launch<128, true>(a, pdl, stream);
-  case 128 * 2: return (int)launch<128, false>(a, pdl, stream);
-  case 256 * 2 + 1: return (int)launch<256, true>(a, pdl, stream);
-  case 256 * 2: return (int)launch<256, false>(a, pdl, stream);
+  case 64 * 2 + 1: return (int)launch<64, true>(a, stream);
+  case 64 * 2: return (int)launch<64, false>(a, stream);
+  case 128 * 2 + 1: return (int)launch<128, true>(a, stream);
+  case 128 * 2: return (int)launch<128, false>(a, stream);
+  case 256 * 2 + 1: return (int)launch<256, true>(a, stream);
+  case 256 * 2: return (int)launch<256, false>(a, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
