@@ -81,7 +81,8 @@ __device__ __forceinline__ void fold_sync() {
 /*
  * n floats (a multiple of 4) from src to shared dst, completing on mbarrier bar. Called by
  * every fold thread: on sm_90 thread 0 issues one bulk copy, on sm_80 each thread copies
- * its 16-byte pieces and its cp.async arrives on bar when they have landed.
+ * its 16-byte pieces and its cp.async arrives on bar when they have landed. Pool slots are
+ * D * 4 bytes, so src is 16-byte aligned as both need.
  */
 template <int FOLD>
 __device__ __forceinline__ void load_chunk(float *dst, const float *src, int n, uint32_t bar, int tid) {
@@ -89,9 +90,8 @@ __device__ __forceinline__ void load_chunk(float *dst, const float *src, int n, 
   if (tid == 0) {
     const uint32_t bytes = (uint32_t)n * 4u;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                     smem_u32(dst)),
-                 "l"(src), "r"(bytes), "r"(bar)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
   }
 #else
