@@ -31,15 +31,8 @@
 #include <cuda_fp16.h>
 
 #include <type_traits>
-#ifdef DA_MERGE_PROF
-#include <cstdio>
-#endif
 
 #include "cuda_kernels.h"
-#ifdef DA_MERGE_PROF
-__device__ unsigned long long da_prof_redo; /* groups redone with __fdiv_rn */
-#define DA_PROF_REDO (void)atomicAdd(&da_prof_redo, 1ull)
-#endif
 #include "numerics.cuh"
 #include "sm90.cuh"
 
@@ -52,63 +45,23 @@ constexpr int NCW = 2;          /* consumer warpgroups */
 constexpr int BM = NCW * 64;    /* rows per CTA */
 constexpr int NTHREADS = 128 * (NCW + 1);
 constexpr int NTS = BN / 8;     /* n8 fragments of a score tile */
-/* Registers per thread after setmaxnreg: producer warpgroup (TMA and merge warps), consumers;
- * REGS_P + 2 REGS_C fits the 3 x 168 the launch gives (65536 / 384, in steps of 8). */
-constexpr int REGS_P = 72, REGS_C = 216;
-#ifndef DA_MERGE_U
-#define DA_MERGE_U 2
-#endif
-#ifndef DA_MERGE_EXP
-#define DA_MERGE_EXP 0
-#endif
-#ifndef DA_MERGE_PTR
-#define DA_MERGE_PTR 0
-#endif
-#ifndef DA_MERGE_BACKOFF
-#define DA_MERGE_BACKOFF 0
-#endif
-constexpr int MU = DA_MERGE_U; /* float4 per range-check group in the merge warps */
-#ifdef DA_MERGE_PROF
-__device__ unsigned long long da_prof[4][NCW]; /* sempty wait, sfull wait, merge work, events */
-#define PROF_T(x) const long long x = clock64()
-#define PROF_ADD(i, cw, v) (void)atomicAdd(&da_prof[i][cw], (unsigned long long)(v))
-#else
-#define PROF_T(x)
-#define PROF_ADD(i, cw, v)
-#endif
 static_assert(BM == DA_CU_SM90_BLOCK_ROWS, "rows per CTA");
 
-/* Shared memory, from a 1024-byte aligned base: K and V stages; the in-row fold (fp32 o of
- * every row) and the split-end stage (a warpgroup's raw fp32 acc and (m, l) per row, handed
- * to its merge warp), both [BM rows][D] in the layout of row_at(); barriers. Q lives in
- * registers. At head_dim 128 three stages leave room for the fold and the stage (227 KiB). */
+/* Shared memory, from a 1024-byte aligned base: K and V stages, the in-row fold (fp32 o of
+ * every row; touched only at split ends), barriers. Q lives in registers. */
 template <int D>
 struct layout {
-  static constexpr int NST = D == 128 ? 3 : 6; /* K/V stages */
+  static constexpr int NST = D == 128 ? 4 : 6; /* K/V stages */
   static constexpr int CB = D / 64;            /* 64-column blocks of a row */
   static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = OFF_K + NST * TILE_B;
-  static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;
-  static constexpr int OFF_STAGE = OFF_FOLD + BM * D * 4;
-  static constexpr int OFF_ML = OFF_STAGE + BM * D * 4; /* [BM] float2: the staged split's (m, l) */
-  static constexpr int OFF_FLSE = OFF_ML + BM * 8;      /* [BM] float: the row's fold lse */
-  /* full[NST], empty[NST], aux, turn[NCW], stage full[NCW], stage empty[NCW] */
-  static constexpr int OFF_BAR = OFF_FLSE + BM * 4;
+  static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;  /* [NCW][4 warps][D / 8][4][32 lanes] fp32 */
+  static constexpr int OFF_BAR = OFF_FOLD + BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
-  static constexpr int BAR_TURN = BAR_AUX + 8, BAR_SFULL = BAR_TURN + NCW * 8, BAR_SEMPTY = BAR_SFULL + NCW * 8;
-  static constexpr int BYTES = BAR_SEMPTY + NCW * 8 + 1024;
-  static_assert(BYTES <= 227 * 1024, "shared memory per block");
+  static constexpr int BAR_TURN = BAR_AUX + 8;
+  static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
 };
-
-/* Float index of the pair of columns (2 k, 2 k + 1) of row R in the fold and the stage: rows
- * of D floats, pairs XOR-swizzled by the row's low three bits, so that a consumer warp's
- * float2 stores (8 rows x 4 pairs) and a merge warp's float4 loads (32 rows, one group of 4
- * columns each) are free of bank conflicts; pairs 2 i and 2 i + 1 stay adjacent. */
-template <int D>
-__device__ __forceinline__ int row_at(int R, int k) {
-  return R * D + ((k ^ (2 * (R & 7))) << 1);
-}
 
 /* A row of the block: valid, its position p and window start w0 (the rest is recomputed at
  * split ends, to keep registers for the tiles). */
@@ -130,13 +83,6 @@ __device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) 
   const int G = a.n_q_heads / a.n_kv_heads;
   return (int64_t)(r / G) * a.n_q_heads + kvh * G + r % G;
 }
-
-/* Tiles of a warpgroup (cw) of an item: [begin, end] (empty when the warpgroup has no rows),
- * its rows' smallest and largest position and the largest window start. */
-struct wg_range {
-  bool active;
-  int begin, end, p_min, p_max, w0_max;
-};
 
 /* One work item and the CTA's key tiles for it: [w0 of its first row, p of its last row],
  * within its splits [j0, j1). */
@@ -160,26 +106,6 @@ __device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
   r.kt_begin = max(r.w0_min / BN, r.it.j0 * tps);
   r.kt_end = min(r.p_max / BN, r.it.j1 * tps - 1);
   return r;
-}
-
-__device__ __forceinline__ wg_range make_wg_range(const da_cu_args &a, const item_range &ir, int cw) {
-  const int G = a.n_q_heads / a.n_kv_heads;
-  const int n_rows = ir.at.n_q * G;
-  const int wr0 = ir.it.row0 + cw * 64;
-  const int wrl = min(wr0 + 64, n_rows) - 1;
-  const int tps = a.split_tokens / BN;
-  wg_range w;
-  w.active = wr0 < n_rows;
-  w.p_min = ir.at.q_pos + wr0 / G;
-  w.p_max = ir.at.q_pos + wrl / G;
-  w.w0_max = a.window > 0 ? max(0, w.p_max - a.window + 1) : 0;
-  w.begin = ir.kt_end + 1, w.end = ir.kt_begin - 1;
-  if (w.active) {
-    const int w0_min = a.window > 0 ? max(0, w.p_min - a.window + 1) : 0;
-    w.begin = max(w0_min / BN, ir.it.j0 * tps);
-    w.end = min(w.p_max / BN, ir.it.j1 * tps - 1);
-  }
-  return w;
 }
 
 /* Where a ring user is: the stage of the next tile and the count of completed rounds. It
@@ -296,8 +222,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  */
 template <int D, bool BF16, bool PIPE>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
-                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph,
-                                        uint32_t &n_staged) {
+                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -309,17 +234,27 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
   const uint32_t bar_turn = base + L::BAR_TURN;
   const int G = a.n_q_heads / a.n_kv_heads;
+  const int n_rows = at.n_q * G;
   const int wr0 = it.row0 + cw * 64; /* first row of this warpgroup */
 
   /* This warpgroup's rows and key range (a sub-range of the CTA's). */
-  const wg_range wg = make_wg_range(a, ir, cw);
-  const int p_min = wg.p_min, w0_max = wg.w0_max, my_begin = wg.begin, my_end = wg.end;
+  const bool active = wr0 < n_rows;
+  const int wrl = min(wr0 + 64, n_rows) - 1;
+  const int p_min = at.q_pos + wr0 / G, p_max = at.q_pos + wrl / G;
+  const int w0_max = a.window > 0 ? max(0, p_max - a.window + 1) : 0;
   const int tps = a.split_tokens / BN;
+  int my_begin = kt_end + 1, my_end = kt_begin - 1;
+  if (active) {
+    const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+    my_begin = max(w0_min / BN, it.j0 * tps);
+    my_end = min(p_max / BN, it.j1 * tps - 1);
+  }
 
   const int r0 = wr0 + warp * 16 + g; /* this thread's rows: r0 and r0 + 8 */
   row_info ri[2];
   ri[0] = make_row(a, at, r0);
   ri[1] = make_row(a, at, r0 + 8);
+  const bool partial = at.slot_base >= 0;
 
   /* Q in registers: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk +
    * 2 qd (+1), + 8), zero past the last row. */
@@ -353,6 +288,9 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   }
 
   float acc[NV][4];
+  float fold_lse[2] = {0.0f, 0.0f};
+  /* This thread's fold values: element (n, e) at fold[(n * 4 + e) * 32]. */
+  float *fold = reinterpret_cast<float *>(smem_base + L::OFF_FOLD) + (cw * 4 + warp) * NV * 4 * 32 + lane;
   da_row_state st;
   da_state_reset(st);
 #pragma unroll
@@ -441,31 +379,27 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       p[kc][3] = da_pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
   };
-  /* A split is complete for the warpgroup's rows (state fs): hand the raw acc and (m, l) of
-   * every row to the merge warp (merge_rows), which finalizes and folds or writes them while
-   * this warpgroup goes on with the next split. Waits only if the merge warp has not taken
-   * the previous split yet. */
-  float *stage = reinterpret_cast<float *>(smem_base + L::OFF_STAGE);
-  float2 *ml = reinterpret_cast<float2 *>(smem_base + L::OFF_ML);
-  auto finalize = [&](int, const da_row_state &fs) {
-    PROF_T(t0);
-#if DA_MERGE_BACKOFF
-    while (!mbar_try(base + L::BAR_SEMPTY + 8 * cw, (n_staged & 1) ^ 1)) __nanosleep(DA_MERGE_BACKOFF);
-#else
-    mbar_wait(base + L::BAR_SEMPTY + 8 * cw, (n_staged & 1) ^ 1);
-#endif
-    PROF_T(t1);
-    if (lane == 0 && warp == 0) PROF_ADD(0, cw, t1 - t0);
+  /* Split j is complete for the warpgroup's rows (state fs): finalize and fold or write. */
+  auto finalize = [&](int j, const da_row_state &fs) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-      const int R = cw * 64 + warp * 16 + g + 8 * r; /* row of the CTA */
-#pragma unroll
-      for (int n = 0; n < NV; n++)
-        *reinterpret_cast<float2 *>(stage + row_at<D>(R, n * 4 + qd)) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
-      if (qd == 0) ml[R] = make_float2(fs.m[r], fs.l[r]);
+      const row_info &w = ri[r];
+      const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
+      if (!w.valid || j < jf || j > jl) continue;
+      const int how = partial ? DA_END_WRITE : j == jf ? DA_END_FIRST : DA_END_MERGE;
+      float *part = nullptr;
+      int64_t slot = 0;
+      if (partial) {
+        slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
+        part = a.acc_o + slot * D + qd * 2;
+      }
+      const float lse = da_split_end<NV, 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      if (partial) {
+        if (qd == 0) a.acc_lse[slot] = lse;
+      } else {
+        fold_lse[r] = lse;
+      }
     }
-    mbar_arrive(base + L::BAR_SFULL + 8 * cw);
-    n_staged++;
   };
   auto zero_acc = [&]() {
 #pragma unroll
@@ -647,106 +581,16 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     }
     rp.st = st_n, rp.round = ph_n;
   }
-}
-
-/*
- * The merge warp of consumer warpgroup cw: for every split the warpgroup stages (in the
- * order it stages them), each lane takes two of its 64 rows (lane, lane + 32) and runs the
- * contract's split end on them (da_end_group: o_j = acc / l, then the in-row left fold, or
- * the partial write), then gives the stage back; after an in-row item's last split it
- * writes the rows' outputs. The arithmetic per row is the one every other path runs; only
- * which threads run it differs. A row's fold and fold lse are touched by one lane only.
- * Few registers here (REGS_P): rows in a loop, the fold lse in shared memory.
- */
-template <int D, bool BF16>
-__device__ __forceinline__ void merge_rows(const da_cu_args &a, const item_range &ir, uint32_t base,
-                                           unsigned char *smem_base, int cw, uint32_t &n_taken) {
-  using L = layout<D>;
-  const wg_range wg = make_wg_range(a, ir, cw);
-  if (wg.begin > wg.end) return;
-  const da_cu_attn &at = ir.at;
-  const int lane = threadIdx.x & 31;
-  const int tps = a.split_tokens / BN;
-  const bool partial = at.slot_base >= 0;
-  /* Byte address of the float4 of columns 2 k .. 2 k + 3 of row R in the fold or the stage. */
-  auto at4 = [&](uint32_t off, int R, int k) { return base + off + (uint32_t)row_at<D>(R, k) * 4; };
-
-  for (int j = wg.begin / tps; j <= wg.end / tps; j++) {
-    PROF_T(t0);
-    mbar_wait(base + L::BAR_SFULL + 8 * cw, n_taken & 1);
-    PROF_T(t1);
-#pragma unroll 1
-    for (int R = cw * 64 + lane; R < cw * 64 + 64; R += 32) {
-      const row_info w = make_row(a, at, ir.it.row0 + R);
-      const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
-      if (!w.valid || j < jf || j > jl) continue;
-      const bool merge = !partial && j > jf;
-      const float2 ml = ld_shared_f2(base + L::OFF_ML + R * 8); /* m, l */
-      const uint32_t flse = base + L::OFF_FLSE + R * 4;
-      const float lse_j = da_finalize_lse(ml.x, ml.y);
-      const da_div dl = da_div_by(ml.y);
-      da_merge_w mw{};
-      if (merge) mw = da_merge_weights(ld_shared_f(flse), lse_j);
-      const int64_t slot = partial ? at.slot_base + out_row(a, ir.it.kv_head, ir.it.row0 + R) * at.n_splits + j : 0;
-#if DA_MERGE_EXP != 1
-#if DA_MERGE_PTR
-      const float4 *sp = reinterpret_cast<const float4 *>(smem_base + L::OFF_STAGE);
-      float4 *fp = reinterpret_cast<float4 *>(smem_base + L::OFF_FOLD);
-#define LD_STAGE(k) sp[row_at<D>(R, k) / 4]
-#define LD_FOLD(k) fp[row_at<D>(R, k) / 4]
-#define ST_FOLD(k, y) (fp[row_at<D>(R, k) / 4] = (y))
-#pragma unroll 2
-#else
-#define LD_STAGE(k) ld_shared_f4(at4(L::OFF_STAGE, R, k))
-#define LD_FOLD(k) ld_shared_f4(at4(L::OFF_FOLD, R, k))
-#define ST_FOLD(k, y) st_shared_f4(at4(L::OFF_FOLD, R, k), y)
-#pragma unroll 1
-#endif
-      for (int k = 0; k < D / 2; k += 2 * MU) {
-        /* Columns 2 k .. 2 k + 4 MU - 1: MU float4 of the stage (and of the fold), one group. */
-        float4 x[MU], f[MU];
+  if (partial || !active) return;
 #pragma unroll
-        for (int u = 0; u < MU; u++) x[u] = LD_STAGE(k + 2 * u);
+  for (int r = 0; r < 2; r++) {
+    const row_info &w = ri[r];
+    if (!w.valid) continue;
+    const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
 #pragma unroll
-        for (int u = 0; u < MU; u++) f[u] = merge ? LD_FOLD(k + 2 * u) : x[u];
-        auto el = [](const float4 &q, int n, int e) { return n & 1 ? (e ? q.w : q.z) : (e ? q.y : q.x); };
-        float v[2 * MU][2];
-        da_end_group<2 * MU>(
-            v, [&](int n, int e) { return el(x[n >> 1], n, e); }, [&](int n, int e) { return el(f[n >> 1], n, e); }, dl,
-            mw, merge);
-#pragma unroll
-        for (int u = 0; u < MU; u++) {
-          const float4 y = make_float4(v[2 * u][0], v[2 * u][1], v[2 * u + 1][0], v[2 * u + 1][1]);
-          if (partial) *reinterpret_cast<float4 *>(a.acc_o + slot * D + 2 * (k + 2 * u)) = y;
-          else ST_FOLD(k + 2 * u, y);
-        }
-      }
-#endif
-      if (partial) a.acc_lse[slot] = lse_j;
-      else st_shared_f(flse, merge ? mw.lse : lse_j);
-    }
-    __syncwarp();
-    mbar_arrive(base + L::BAR_SEMPTY + 8 * cw);
-    n_taken++;
-    PROF_T(t2);
-    if (lane == 0) {
-      PROF_ADD(1, cw, t1 - t0);
-      PROF_ADD(2, cw, t2 - t1);
-      PROF_ADD(3, cw, 1);
-    }
-  }
-  if (partial) return;
-#pragma unroll 1
-  for (int R = cw * 64 + lane; R < cw * 64 + 64; R += 32) {
-    if (!make_row(a, at, ir.it.row0 + R).valid) continue;
-    const int64_t row = out_row(a, ir.it.kv_head, ir.it.row0 + R);
-    uint2 *dst = reinterpret_cast<uint2 *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D);
-#pragma unroll 1
-    for (int k = 0; k < D / 2; k += 2) {
-      const float4 f = ld_shared_f4(at4(L::OFF_FOLD, R, k));
-      dst[k / 2] = make_uint2(da_pack2<BF16>(f.x, f.y), da_pack2<BF16>(f.z, f.w));
-    }
-    if (at.lse_off >= 0) a.lse[at.lse_off + row] = da_lse_out(ld_shared_f(base + L::OFF_FLSE + R * 4));
+    for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
+    if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
 
@@ -768,37 +612,27 @@ __global__ void __launch_bounds__(NTHREADS, 1)
       mbar_init(base + L::BAR_EMPTY + 8 * s, NCW * 4); /* one arrival per consumer warp */
     }
     mbar_init(base + L::BAR_AUX, 1);
-    for (int c = 0; c < NCW; c++) {
-      mbar_init(base + L::BAR_TURN + 8 * c, 4);     /* the other warpgroup's warps */
-      mbar_init(base + L::BAR_SFULL + 8 * c, 128);  /* the warpgroup's threads */
-      mbar_init(base + L::BAR_SEMPTY + 8 * c, 32);  /* its merge warp's lanes */
-    }
+    for (int c = 0; c < NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the other warpgroup's warps */
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
   __syncthreads();
 
   ring_pos rp = {0, 0};
-  uint32_t n_staged = 0; /* split ends handed over (consumer) or taken (merge warp) */
   if (threadIdx.x < 128) {
-    /* Warp 0: the TMA producer; warps 1 and 2: the merge warps of consumer warpgroups 0 and 1. */
-    regs_dec<REGS_P>();
-    const int w = threadIdx.x / 32;
-    if (w == 0) {
+    regs_dec<40>();
+    if (threadIdx.x < 32) {
       uint32_t aux_ph = 0;
       for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range(a, i), &tm, base, rp, aux_ph);
-    } else if (w <= NCW) {
-      for (int i = blockIdx.x; i < n; i += gridDim.x)
-        merge_rows<D, BF16>(a, cta_range(a, i), base, smem_base, w - 1, n_staged);
     }
   } else {
-    regs_inc<REGS_C>();
+    regs_inc<232>();
     const int cw = threadIdx.x / 128 - 1;
     uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
       consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
-                             pingpong, rp, turn_ph, n_staged);
+                             pingpong, rp, turn_ph);
   }
 }
 
@@ -847,22 +681,6 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStrea
     if (dev < 64) configured |= 1ull << dev;
   }
   prefill_kernel<D, BF16, PIPE><<<grid, NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
-#ifdef DA_MERGE_PROF
-  {
-    unsigned long long h[4][NCW], z[4][NCW] = {};
-    cudaStreamSynchronize(stream);
-    cudaMemcpyFromSymbol(h, da_prof, sizeof(h));
-    cudaMemcpyToSymbol(da_prof, z, sizeof(z));
-    unsigned long long redo = 0, zero = 0;
-    cudaMemcpyFromSymbol(&redo, da_prof_redo, sizeof(redo));
-    cudaMemcpyToSymbol(da_prof_redo, &zero, sizeof(zero));
-    fprintf(stderr, "prof redo groups %llu\n", redo);
-    for (int c = 0; c < NCW; c++)
-      fprintf(stderr, "prof d%d pp%d grid %d wg%d: events %llu, consumer sempty wait %.0f cyc/event, merge sfull wait %.0f, merge work %.0f\n",
-              D, pingpong, grid, c, h[3][c], (double)h[0][c] / (h[3][c] + 1e-9), (double)h[1][c] / (h[3][c] + 1e-9),
-              (double)h[2][c] / (h[3][c] + 1e-9));
-  }
-#endif
   return cudaGetLastError();
 }
 
