@@ -1,15 +1,12 @@
 #include "raw_client.h"
 
 #include <check.h>
-#include <poll.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
 #include <nng/protocol/reqrep0/req.h>
 
+#include "client_impl.h"
 #include "detattn.h"
 
 void da_raw_open(da_raw *r, const char *url) {
@@ -91,32 +88,7 @@ void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64
 }
 
 int da_raw_side_send(const char *url, uint32_t magic, const int *fds, int n_fds, uint32_t id, uint64_t token) {
-  ck_assert(n_fds >= 1 && n_fds <= 4);
-  struct sockaddr_un sa = {.sun_family = AF_UNIX};
-  snprintf(sa.sun_path, sizeof sa.sun_path, "%.90s.arena", url + 6);
-  int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  ck_assert_int_eq(connect(s, (struct sockaddr *)&sa, sizeof sa), 0);
-  uint8_t msg[16];
-  memcpy(msg, &magic, 4);
-  memcpy(msg + 4, &id, 4);
-  memcpy(msg + 8, &token, 8);
-  union {
-    struct cmsghdr h;
-    char b[CMSG_SPACE(4 * sizeof(int))];
-  } ctl;
-  memset(&ctl, 0, sizeof ctl);
-  struct iovec iov = {.iov_base = msg, .iov_len = sizeof msg};
-  struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
-                     .msg_controllen = CMSG_SPACE((size_t)n_fds * sizeof(int))};
-  struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-  c->cmsg_level = SOL_SOCKET;
-  c->cmsg_type = SCM_RIGHTS;
-  c->cmsg_len = CMSG_LEN((size_t)n_fds * sizeof(int));
-  memcpy(CMSG_DATA(c), fds, (size_t)n_fds * sizeof(int));
-  ck_assert_int_eq(sendmsg(s, &m, MSG_NOSIGNAL), (ssize_t)sizeof msg);
-  struct pollfd pf = {.fd = s, .events = POLLIN};
-  uint8_t code;
-  int rv = poll(&pf, 1, 5000) == 1 && read(s, &code, 1) == 1 ? code : -1;
-  close(s);
-  return rv;
+  char path[128];
+  snprintf(path, sizeof path, "%.90s.arena", url + 6);
+  return da_side_handover(path, magic, id, token, fds, n_fds, 5000, "a test's descriptors");
 }

@@ -40,8 +40,8 @@ typedef struct da_raw_fwd {
 } da_raw_fwd;
 
 /* Hands n_fds descriptors (at most 4) over on the daemon's side socket <ipc path>.arena (url
- * is the daemon's ipc:// url) with {magic, id, token}; the daemon's status byte, or -1 when
- * it did not answer within 5 s. */
+ * is the daemon's ipc:// url) with {magic, id, token}, by libdetattn's da_side_handover with
+ * any magic: the daemon's status byte, or DETATTN_UNAVAILABLE when it did not answer in 5 s. */
 int da_raw_side_send(const char *url, uint32_t magic, const int *fds, int n_fds, uint32_t id, uint64_t token);
 
 void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64_t base, uint64_t q_row,

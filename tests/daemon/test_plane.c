@@ -156,7 +156,7 @@ END_TEST
 
 /* ---- hostile and broken clients, with raw requests ---- */
 
-/* Hands fd over for arena id; the daemon's status byte (or -1: no answer). */
+/* Hands fd over for arena id; the daemon's status byte (DETATTN_UNAVAILABLE: no answer). */
 static int handover(int fd, uint32_t id, uint64_t token) {
   return da_raw_side_send(D.url, 0x52414144u /* "DAAR" */, &fd, 1, id, token);
 }
