@@ -10,9 +10,12 @@
 #include <cuda_fp16.h>
 
 #include "cuda_kernels.h"
+#include "mbarrier.cuh"
 #include "numerics.cuh"
 
 namespace {
+
+using namespace da_cu;
 
 /*
  * One CTA per row: D fold threads (one column of o each) and one chain warp. The merge
@@ -39,39 +42,6 @@ struct shape {
   static constexpr int R = 4;                    /* ring slots: 16 KiB (d 64) or 32 KiB of o_j */
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-/* Waits for the phase of the given parity to complete (try_wait suspends the thread on
- * sm_90, so waiting fold warps leave the issue slots to the chain warp). */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-#if __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-#else
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-#endif
-  } while (!done);
-}
-
 /* Named barrier 1 over the fold threads (the chain warp runs on without it). */
 template <int COUNT>
 __device__ __forceinline__ void fold_sync() {
@@ -91,12 +61,12 @@ __device__ __forceinline__ void load_chunk(float *dst, const float *src, int n, 
     const uint32_t bytes = (uint32_t)n * 4u;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(bar)
+                 ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
   }
 #else
   for (int i = tid * 4; i < n; i += FOLD * 4)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst + i)), "l"(src + i) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst + i)), "l"(src + i) : "memory");
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
@@ -117,7 +87,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   const int n = p / a.split_tokens - jf; /* splits merged into the first one */
   const int nch = (n + CH - 1) / CH;
   const int64_t first = at.slot_base + (int64_t)row * at.n_splits + jf; /* slot of split jf */
-  const uint32_t wfull = smem_u32(s_bar[0]), dfull = smem_u32(s_bar[1]), wempty = smem_u32(s_bar[2]);
+  const uint32_t wfull = smem_addr(s_bar[0]), dfull = smem_addr(s_bar[1]), wempty = smem_addr(s_bar[2]);
 #if __CUDA_ARCH__ >= 900
   constexpr uint32_t DFULL_ARRIVALS = 1;
 #else

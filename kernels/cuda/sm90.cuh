@@ -15,11 +15,17 @@
 
 #include <stdint.h>
 
+#include "mbarrier.cuh"
+
 namespace da_sm90 {
 
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
+/* Shared-memory addresses and mbarriers (mbarrier.cuh). */
+using da_cu::global_ns;
+using da_cu::mbar_arrive;
+using da_cu::mbar_init;
+using da_cu::mbar_try;
+using da_cu::mbar_wait;
+using da_cu::smem_addr;
 
 /* Byte offset of 16-byte chunk c (of cols / 8) of row r in a swizzled [rows][cols] tile. */
 __device__ __forceinline__ uint32_t swz128(int r, int c, int rows) {
@@ -406,47 +412,15 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
 }
 
 /* ---- mbarriers, TMA, fences ------------------------------------------------------------- */
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 /* Makes initialised barriers visible to the other threads and to the async proxy (TMA). */
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 /* One arrival that also expects bytes of transactions (TMA) before the phase completes. */
 __device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ bool mbar_try(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-__device__ __forceinline__ uint64_t global_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-/* Waits for the phase of the given parity to complete. A wait of more than 10 s means a
- * pipeline bug (a barrier that can never complete): the thread stores to address 0, so the
- * launch fails with an illegal-address error instead of hanging the device. (Not __trap():
- * a trap anywhere in a setmaxnreg.inc region makes ptxas allocate that region with the
- * kernel's entry register count, 168 here instead of 232, and the wgmma pipeline spills.) */
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try(bar, parity)) return;
-  const uint64_t t0 = global_ns();
-  while (!mbar_try(bar, parity))
-    if (global_ns() - t0 > 10000000000ull) asm volatile("st.global.u32 [%0], %1;" ::"l"(0ull), "r"(0u) : "memory");
-}
-
 /* TMA: a 2D box of tm at element coordinates (c0 inner, c1 outer) into shared memory at dst;
  * completes bytes on bar. */
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void *tm, int c0, int c1, uint32_t bar) {
