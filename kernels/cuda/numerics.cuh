@@ -238,52 +238,15 @@ __device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, 
 }
 
 /*
- * The split end of a group of NC pairs of one row's elements: v = o_j = in / l, and with
- * merge v = merge(fold, o_j) (weights mw, fold values from fold_in). in(n, e) and
- * fold_in(n, e) give the inputs (registers or shared memory; called again for the redo).
- * A group whose da_range is not da_range_ok is redone with __fdiv_rn (the same bits); a
- * merge numerator computed from a wrong fast o_j only marks the group for the redo, which
- * recomputes both. Every split end of every kernel goes through this function.
- */
-template <int NC, class In, class FoldIn>
-__device__ __forceinline__ void da_end_group(float (&v)[NC][2], In in, FoldIn fold_in, const da_div &dl,
-                                             const da_merge_w &mw, bool merge) {
-  da_range g = da_range_init();
-  float f[NC][2];
-#pragma unroll
-  for (int n = 0; n < NC; n++) {
-    v[n][0] = da_finalize_o(dl, in(n, 0), g);
-    v[n][1] = da_finalize_o(dl, in(n, 1), g);
-  }
-  if (merge) {
-#pragma unroll
-    for (int n = 0; n < NC; n++) f[n][0] = fold_in(n, 0), f[n][1] = fold_in(n, 1);
-#pragma unroll
-    for (int n = 0; n < NC; n++) {
-      v[n][0] = da_merge_o(mw, f[n][0], v[n][0], g);
-      v[n][1] = da_merge_o(mw, f[n][1], v[n][1], g);
-    }
-  }
-  if (!da_range_ok(g)) {
-#pragma unroll
-    for (int n = 0; n < NC; n++) {
-#pragma unroll
-      for (int e = 0; e < 2; e++) {
-        v[n][e] = da_finalize_o_exact(dl, in(n, e));
-        if (merge) v[n][e] = da_merge_o_exact(mw, fold_in(n, e), v[n][e]);
-      }
-    }
-  }
-}
-
-/*
  * The split end of one row r of a thread's m16n8 accumulator fragments acc[NV][4] (the
  * thread's elements of that row: acc[n][2 r], acc[n][2 r + 1]), split state (m, l):
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
  *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
  *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
  * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). CHUNK fragments at a time (4:
- * head_dim 256 on mma.sync does not spill).
+ * head_dim 256 on mma.sync does not spill; the wgmma consumers have room for more); a chunk whose da_range is not da_range_ok is redone with
+ * __fdiv_rn (the same bits). A merge numerator computed from a wrong fast o_j only marks
+ * the chunk for the redo, which recomputes both.
  */
 enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
 
@@ -297,10 +260,35 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
   if (how == DA_END_MERGE) mw = da_merge_weights(fold_lse, lse_j);
 #pragma unroll
   for (int n0 = 0; n0 < NV; n0 += NC) {
-    float v[NC][2];
-    da_end_group<NC>(
-        v, [&](int n, int e) { return acc[n0 + n][2 * r + e]; },
-        [&](int n, int e) { return fold[((n0 + n) * 4 + 2 * r + e) * 32]; }, dl, mw, how == DA_END_MERGE);
+    da_range g = da_range_init();
+    float v[NC][2], f[NC][2];
+#pragma unroll
+    for (int n = 0; n < NC; n++) {
+      v[n][0] = da_finalize_o(dl, acc[n0 + n][2 * r], g);
+      v[n][1] = da_finalize_o(dl, acc[n0 + n][2 * r + 1], g);
+    }
+    if (how == DA_END_MERGE) {
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+        f[n][0] = fold[((n0 + n) * 4 + 2 * r) * 32];
+        f[n][1] = fold[((n0 + n) * 4 + 2 * r + 1) * 32];
+      }
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+        v[n][0] = da_merge_o(mw, f[n][0], v[n][0], g);
+        v[n][1] = da_merge_o(mw, f[n][1], v[n][1], g);
+      }
+    }
+    if (!da_range_ok(g)) {
+#pragma unroll
+      for (int n = 0; n < NC; n++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          v[n][e] = da_finalize_o_exact(dl, acc[n0 + n][2 * r + e]);
+          if (how == DA_END_MERGE) v[n][e] = da_merge_o_exact(mw, f[n][e], v[n][e]);
+        }
+      }
+    }
     if (how == DA_END_WRITE) {
 #pragma unroll
       for (int n = 0; n < NC; n++) *reinterpret_cast<float2 *>(part + (n0 + n) * 8) = make_float2(v[n][0], v[n][1]);

@@ -31,15 +31,6 @@
 #include <cuda_fp16.h>
 
 #include <type_traits>
-#ifdef DA_MERGE_PROF
-#include <cstdio>
-__device__ unsigned long long da_prof[5];
-#define PROF_T(x) const long long x = clock64()
-#define PROF_ADD(i, v) (void)atomicAdd(&da_prof[i], (unsigned long long)(v))
-#else
-#define PROF_T(x) ((void)0)
-#define PROF_ADD(i, v) ((void)0)
-#endif
 
 #include "cuda_kernels.h"
 #include "numerics.cuh"
@@ -54,51 +45,23 @@ constexpr int NCW = 2;          /* consumer warpgroups */
 constexpr int BM = NCW * 64;    /* rows per CTA */
 constexpr int NTHREADS = 128 * (NCW + 1);
 constexpr int NTS = BN / 8;     /* n8 fragments of a score tile */
-#ifndef DA_MERGE_WARPS
-#define DA_MERGE_WARPS 3
-#endif
-constexpr int NMW = DA_MERGE_WARPS; /* merge warps: warps 1 .. NMW of the producer warpgroup */
-static_assert(NMW >= 1 && NMW <= 3, "merge warps");
-/* Registers per thread after setmaxnreg: producer warpgroup (TMA and merge warps), consumers;
- * REGS_P + 2 REGS_C fits the 3 x 168 the launch gives (65536 / 384, in steps of 8). */
-#ifndef DA_REGS_P
-#define DA_REGS_P 96
-#endif
-constexpr int REGS_P = DA_REGS_P, REGS_C = (504 - DA_REGS_P) / 2 / 8 * 8;
-static_assert(REGS_P + 2 * REGS_C <= 3 * 168, "registers per SM");
 static_assert(BM == DA_CU_SM90_BLOCK_ROWS, "rows per CTA");
 
-/* Shared memory, from a 1024-byte aligned base: K and V stages; the in-row fold (fp32 o of
- * every row) and the split-end stage (the raw fp32 acc of a warpgroup's rows, handed to the
- * merge warps), both in the consumers' register layout: float4 i (acc[i][0..3]) of lane l
- * of consumer warp w (0 .. 7 over both warpgroups) at float4 index (w * D / 8 + i) * 32 + l,
- * so that the consumers' stores and the merge warps' loads are conflict-free 16-byte
- * accesses; then (m, l) of the staged split and the fold's lse per row; barriers. Q lives in
- * registers. At head_dim 128 three stages leave room for the fold and the stage (227 KiB). */
+/* Shared memory, from a 1024-byte aligned base: K and V stages, the in-row fold (fp32 o of
+ * every row; touched only at split ends), barriers. Q lives in registers. */
 template <int D>
 struct layout {
-  static constexpr int NST = D == 128 ? 3 : 6; /* K/V stages */
+  static constexpr int NST = D == 128 ? 4 : 6; /* K/V stages */
   static constexpr int CB = D / 64;            /* 64-column blocks of a row */
   static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = OFF_K + NST * TILE_B;
-  static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;
-  static constexpr int OFF_STAGE = OFF_FOLD + BM * D * 4;
-  static constexpr int OFF_ML = OFF_STAGE + BM * D * 4; /* [BM] float2: the staged split's (m, l) */
-  static constexpr int OFF_FLSE = OFF_ML + BM * 8;      /* [BM] float: the row's fold lse */
-  /* full[NST], empty[NST], aux, turn[NCW], stage full[NCW], stage empty[NCW] */
-  static constexpr int OFF_BAR = OFF_FLSE + BM * 4;
+  static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;  /* [NCW][4 warps][D / 8][4][32 lanes] fp32 */
+  static constexpr int OFF_BAR = OFF_FOLD + BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
-  static constexpr int BAR_TURN = BAR_AUX + 8, BAR_SFULL = BAR_TURN + NCW * 8, BAR_SEMPTY = BAR_SFULL + NCW * 8;
-  static constexpr int BYTES = BAR_SEMPTY + NCW * 8 + 1024;
-  static_assert(BYTES <= 227 * 1024, "shared memory per block");
+  static constexpr int BAR_TURN = BAR_AUX + 8;
+  static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
 };
-
-/* Byte offset of float4 i of lane l of consumer warp w (0 .. 7) in the fold or the stage. */
-template <int D>
-__device__ __forceinline__ uint32_t frag_at(int w, int i, int l) {
-  return (uint32_t)(((w * (D / 8) + i) * 32 + l) * 16);
-}
 
 /* A row of the block: valid, its position p and window start w0 (the rest is recomputed at
  * split ends, to keep registers for the tiles). */
@@ -120,13 +83,6 @@ __device__ __forceinline__ int64_t out_row(const da_cu_args &a, int kvh, int r) 
   const int G = a.n_q_heads / a.n_kv_heads;
   return (int64_t)(r / G) * a.n_q_heads + kvh * G + r % G;
 }
-
-/* Tiles of a warpgroup (cw) of an item: [begin, end] (empty when the warpgroup has no rows),
- * its rows' smallest and largest position and the largest window start. */
-struct wg_range {
-  bool active;
-  int begin, end, p_min, p_max, w0_max;
-};
 
 /* One work item and the CTA's key tiles for it: [w0 of its first row, p of its last row],
  * within its splits [j0, j1). */
@@ -150,26 +106,6 @@ __device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
   r.kt_begin = max(r.w0_min / BN, r.it.j0 * tps);
   r.kt_end = min(r.p_max / BN, r.it.j1 * tps - 1);
   return r;
-}
-
-__device__ __forceinline__ wg_range make_wg_range(const da_cu_args &a, const item_range &ir, int cw) {
-  const int G = a.n_q_heads / a.n_kv_heads;
-  const int n_rows = ir.at.n_q * G;
-  const int wr0 = ir.it.row0 + cw * 64;
-  const int wrl = min(wr0 + 64, n_rows) - 1;
-  const int tps = a.split_tokens / BN;
-  wg_range w;
-  w.active = wr0 < n_rows;
-  w.p_min = ir.at.q_pos + wr0 / G;
-  w.p_max = ir.at.q_pos + wrl / G;
-  w.w0_max = a.window > 0 ? max(0, w.p_max - a.window + 1) : 0;
-  w.begin = ir.kt_end + 1, w.end = ir.kt_begin - 1;
-  if (w.active) {
-    const int w0_min = a.window > 0 ? max(0, w.p_min - a.window + 1) : 0;
-    w.begin = max(w0_min / BN, ir.it.j0 * tps);
-    w.end = min(w.p_max / BN, ir.it.j1 * tps - 1);
-  }
-  return w;
 }
 
 /* Where a ring user is: the stage of the next tile and the count of completed rounds. It
@@ -286,7 +222,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  */
 template <int D, bool BF16, bool PIPE>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
-                                        int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph, uint32_t &n_staged) {
+                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -298,17 +234,27 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
   const uint32_t bar_turn = base + L::BAR_TURN;
   const int G = a.n_q_heads / a.n_kv_heads;
+  const int n_rows = at.n_q * G;
   const int wr0 = it.row0 + cw * 64; /* first row of this warpgroup */
 
   /* This warpgroup's rows and key range (a sub-range of the CTA's). */
-  const wg_range wg = make_wg_range(a, ir, cw);
-  const int p_min = wg.p_min, w0_max = wg.w0_max, my_begin = wg.begin, my_end = wg.end;
+  const bool active = wr0 < n_rows;
+  const int wrl = min(wr0 + 64, n_rows) - 1;
+  const int p_min = at.q_pos + wr0 / G, p_max = at.q_pos + wrl / G;
+  const int w0_max = a.window > 0 ? max(0, p_max - a.window + 1) : 0;
   const int tps = a.split_tokens / BN;
+  int my_begin = kt_end + 1, my_end = kt_begin - 1;
+  if (active) {
+    const int w0_min = a.window > 0 ? max(0, p_min - a.window + 1) : 0;
+    my_begin = max(w0_min / BN, it.j0 * tps);
+    my_end = min(p_max / BN, it.j1 * tps - 1);
+  }
 
   const int r0 = wr0 + warp * 16 + g; /* this thread's rows: r0 and r0 + 8 */
   row_info ri[2];
   ri[0] = make_row(a, at, r0);
   ri[1] = make_row(a, at, r0 + 8);
+  const bool partial = at.slot_base >= 0;
 
   /* Q in registers: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk +
    * 2 qd (+1), + 8), zero past the last row. */
@@ -342,6 +288,9 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   }
 
   float acc[NV][4];
+  float fold_lse[2] = {0.0f, 0.0f};
+  /* This thread's fold values: element (n, e) at fold[(n * 4 + e) * 32]. */
+  float *fold = reinterpret_cast<float *>(smem_base + L::OFF_FOLD) + (cw * 4 + warp) * NV * 4 * 32 + lane;
   da_row_state st;
   da_state_reset(st);
 #pragma unroll
@@ -430,26 +379,27 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       p[kc][3] = da_pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
     }
   };
-  /* A split is complete for the warpgroup's rows (state fs): hand the raw acc and (m, l) of
-   * its rows to the merge warps (merge_units), which finalize and fold or write them while
-   * this warpgroup goes on with the next split. Waits only if they have not taken the
-   * warpgroup's previous split yet. */
-  auto finalize = [&](int, const da_row_state &fs) {
-    PROF_T(t0);
-    mbar_wait(base + L::BAR_SEMPTY + 8 * cw, (n_staged & 1) ^ 1);
-    PROF_T(t1);
-    if (ctid == 0) PROF_ADD(0, t1 - t0), PROF_ADD(1, 1);
-    const int cwarp = cw * 4 + warp;
+  /* Split j is complete for the warpgroup's rows (state fs): finalize and fold or write. */
+  auto finalize = [&](int j, const da_row_state &fs) {
 #pragma unroll
-    for (int n = 0; n < NV; n++)
-      st_shared_f4(base + L::OFF_STAGE + frag_at<D>(cwarp, n, lane), make_float4(acc[n][0], acc[n][1], acc[n][2], acc[n][3]));
-    if (qd == 0) {
-      const uint32_t ml = base + L::OFF_ML + (cwarp * 16 + g) * 8; /* (m, l) of the rows, by CTA row */
-      st_shared_f2(ml, make_float2(fs.m[0], fs.l[0]));
-      st_shared_f2(ml + 64, make_float2(fs.m[1], fs.l[1]));
+    for (int r = 0; r < 2; r++) {
+      const row_info &w = ri[r];
+      const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
+      if (!w.valid || j < jf || j > jl) continue;
+      const int how = partial ? DA_END_WRITE : j == jf ? DA_END_FIRST : DA_END_MERGE;
+      float *part = nullptr;
+      int64_t slot = 0;
+      if (partial) {
+        slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
+        part = a.acc_o + slot * D + qd * 2;
+      }
+      const float lse = da_split_end<NV, 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      if (partial) {
+        if (qd == 0) a.acc_lse[slot] = lse;
+      } else {
+        fold_lse[r] = lse;
+      }
     }
-    mbar_arrive(base + L::BAR_SFULL + 8 * cw);
-    n_staged++;
   };
   auto zero_acc = [&]() {
 #pragma unroll
@@ -631,129 +581,16 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     }
     rp.st = st_n, rp.round = ph_n;
   }
-}
-
-/*
- * One unit of a split end: the registers consumer warp cw4 (0 .. 7 over both warpgroups)
- * staged for split j. Each lane stands in for the consumer lane that staged them: rows g and
- * g + 8 of that warp's 16, columns 8 n + 2 qd (+ 1), and runs the contract's split end on
- * them (da_end_group: o_j = acc / l, then the in-row left fold or the partial write); at a
- * row's last split of an in-row item it writes the row's output and lse. The arithmetic and
- * its order per element are those of da_split_end in the consumers (and of attn.cu); only
- * which threads run it differs. A row's fold and fold lse belong to its quad of lanes.
- */
-template <int D, bool BF16>
-__device__ __forceinline__ void merge_unit(const da_cu_args &a, const item_range &ir, uint32_t base, int cw4, int j) {
-  using L = layout<D>;
-  constexpr int NV = D / 8;
-#ifndef DA_MERGE_NC
-#define DA_MERGE_NC 4
-#endif
-  constexpr int NC = DA_MERGE_NC < NV ? DA_MERGE_NC : NV; /* fragments per range-check group */
-  const da_cu_attn &at = ir.at;
-  const int lane = threadIdx.x & 31, qd = lane & 3;
-  const bool partial = at.slot_base >= 0;
-  /* One row at a time (few registers here): row R, its two values of fragment n at byte
-   * frag_at(cw4, n, lane) + 8 r of the stage and the fold. */
-#pragma unroll 1
+  if (partial || !active) return;
+#pragma unroll
   for (int r = 0; r < 2; r++) {
-    const int R = cw4 * 16 + (lane >> 2) + 8 * r; /* row of the CTA */
-    const row_info w = make_row(a, at, ir.it.row0 + R);
-    const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
-    const bool on = w.valid && j >= jf && j <= jl;
-    const bool mrg = on && !partial && j > jf;
-    const bool last = on && !partial && j == jl;
-    const uint32_t flse = base + L::OFF_FLSE + R * 4;
-    const float fold_lse = mrg ? ld_shared_f(flse) : 0.0f;
-    __syncwarp(); /* the row's quad has read its fold lse before its lane qd = 0 writes it */
-    if (!on) continue;
-    const float2 ml = ld_shared_f2(base + L::OFF_ML + R * 8); /* m, l */
-    const float lse_j = da_finalize_lse(ml.x, ml.y);
-    const da_div dl = da_div_by(ml.y);
-    da_merge_w mw{};
-    if (mrg) mw = da_merge_weights(fold_lse, lse_j);
-    const int64_t orow = out_row(a, ir.it.kv_head, ir.it.row0 + R);
-    const int64_t slot = partial ? at.slot_base + orow * at.n_splits + j : 0;
-    /* Where o_j or the merged o goes: the pool (partial), the output (a row's last split) or
-     * the fold; 8-byte pairs, fragment n at + n * 8 floats / + n * 4 words / + n * 512 bytes. */
-    float *part = partial ? a.acc_o + slot * D + qd * 2 : nullptr;
-    uint32_t *dst = last ? reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + orow * D + qd * 2) : nullptr;
-    const uint32_t st0 = base + L::OFF_STAGE + frag_at<D>(cw4, 0, lane) + 8 * r;
-    const uint32_t fo0 = base + L::OFF_FOLD + frag_at<D>(cw4, 0, lane) + 8 * r;
-#pragma unroll 1
-    for (int n0 = 0; n0 < NV; n0 += NC) {
-      float2 x[NC], f[NC];
+    const row_info &w = ri[r];
+    if (!w.valid) continue;
+    const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
 #pragma unroll
-      for (int u = 0; u < NC; u++) x[u] = ld_shared_f2(st0 + (n0 + u) * 512);
-      if (mrg) {
-#pragma unroll
-        for (int u = 0; u < NC; u++) f[u] = ld_shared_f2(fo0 + (n0 + u) * 512);
-      }
-      float v[NC][2];
-#if DA_MERGE_EXP
-      for (int u = 0; u < NC; u++) v[u][0] = x[u].x, v[u][1] = x[u].y;
-#else
-      da_end_group<NC>(
-          v, [&](int n, int e) { return e ? x[n].y : x[n].x; }, [&](int n, int e) { return e ? f[n].y : f[n].x; }, dl,
-          mw, mrg);
-#endif
-#pragma unroll
-      for (int u = 0; u < NC; u++) {
-        const int n = n0 + u;
-        if (partial) *reinterpret_cast<float2 *>(part + n * 8) = make_float2(v[u][0], v[u][1]);
-        else if (last) dst[n * 4] = da_pack2<BF16>(v[u][0], v[u][1]);
-        else st_shared_f2(fo0 + n * 512, make_float2(v[u][0], v[u][1]));
-      }
-    }
-    if (qd != 0) continue;
-    const float lse = mrg ? mw.lse : lse_j;
-    if (partial) a.acc_lse[slot] = lse;
-    else if (!last) st_shared_f(flse, lse);
-    else if (at.lse_off >= 0) a.lse[at.lse_off + orow] = da_lse_out(lse);
-  }
-}
-
-/*
- * Merge warp m (0 .. NMW - 1) of a CTA's item: the split ends of both consumer warpgroups in
- * the order (split j ascending, warpgroup 0 then 1), the order in which the warpgroups can
- * stage them without waiting on each other. A split end of a warpgroup is four units (its
- * warps' staged registers), dealt round-robin to the merge warps over the CTA's life (next:
- * the merge warp whose turn the next unit is). Every merge warp waits for every split end
- * and gives it back, so a warpgroup restages only when all are done with its last one.
- */
-template <int D, bool BF16>
-__device__ __forceinline__ void merge_units(const da_cu_args &a, const item_range &ir, uint32_t base, int m,
-                                            uint32_t (&n_taken)[NCW], int &next) {
-  using L = layout<D>;
-  const int tps = a.split_tokens / BN;
-  wg_range wg[NCW];
-  int jb = 0x7fffffff, je = -1;
-#pragma unroll
-  for (int c = 0; c < NCW; c++) {
-    wg[c] = make_wg_range(a, ir, c);
-    if (wg[c].begin <= wg[c].end) jb = min(jb, wg[c].begin / tps), je = max(je, wg[c].end / tps);
-  }
-#pragma unroll 1
-  for (int j = jb; j <= je; j++) {
-#pragma unroll
-    for (int c = 0; c < NCW; c++) {
-      if (wg[c].begin > wg[c].end || j < wg[c].begin / tps || j > wg[c].end / tps) continue;
-      PROF_T(t0);
-      mbar_wait(base + L::BAR_SFULL + 8 * c, n_taken[c] & 1);
-      PROF_T(t1);
-#pragma unroll 1
-      for (int w = 0; w < 4; w++) {
-        if (next == m) {
-          merge_unit<D, BF16>(a, ir, base, c * 4 + w, j);
-          if ((threadIdx.x & 31) == 0) PROF_ADD(4, 1);
-        }
-        if (++next == NMW) next = 0;
-      }
-      PROF_T(t2);
-      if ((threadIdx.x & 31) == 0) PROF_ADD(2, t1 - t0), PROF_ADD(3, t2 - t1);
-      mbar_arrive(base + L::BAR_SEMPTY + 8 * c);
-      n_taken[c]++;
-    }
+    for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
+    if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
 
@@ -767,6 +604,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   using L = layout<D>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
+  unsigned char *smem_base = smem_raw + (base - smem_addr(smem_raw)); /* the same, generic */
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NST; s++) {
@@ -774,11 +612,7 @@ __global__ void __launch_bounds__(NTHREADS, 1)
       mbar_init(base + L::BAR_EMPTY + 8 * s, NCW * 4); /* one arrival per consumer warp */
     }
     mbar_init(base + L::BAR_AUX, 1);
-    for (int c = 0; c < NCW; c++) {
-      mbar_init(base + L::BAR_TURN + 8 * c, 4);     /* the other warpgroup's warps */
-      mbar_init(base + L::BAR_SFULL + 8 * c, 128);  /* the warpgroup's threads */
-      mbar_init(base + L::BAR_SEMPTY + 8 * c, 32 * NMW); /* the merge warps' lanes */
-    }
+    for (int c = 0; c < NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the other warpgroup's warps */
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
@@ -786,25 +620,19 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 
   ring_pos rp = {0, 0};
   if (threadIdx.x < 128) {
-    /* Warp 0: the TMA producer; warps 1 .. NMW: the merge warps. */
-    regs_dec<REGS_P>();
-    const int w = threadIdx.x / 32;
-    if (w == 0) {
+    regs_dec<40>();
+    if (threadIdx.x < 32) {
       uint32_t aux_ph = 0;
       for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range(a, i), &tm, base, rp, aux_ph);
-    } else if (w <= NMW) {
-      uint32_t n_taken[NCW] = {};
-      int next = 0;
-      for (int i = blockIdx.x; i < n; i += gridDim.x) merge_units<D, BF16>(a, cta_range(a, i), base, w - 1, n_taken, next);
     }
   } else {
-    regs_inc<REGS_C>();
+    regs_inc<232>();
     const int cw = threadIdx.x / 128 - 1;
-    uint32_t turn_ph = 0, n_staged = 0; /* n_staged: split ends handed to the merge warps */
+    uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, cw,
-                             pingpong, rp, turn_ph, n_staged);
+      consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+                             pingpong, rp, turn_ph);
   }
 }
 
@@ -853,18 +681,6 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStrea
     if (dev < 64) configured |= 1ull << dev;
   }
   prefill_kernel<D, BF16, PIPE><<<grid, NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
-#ifdef DA_MERGE_PROF
-  {
-    static int calls = 0;
-    unsigned long long h[5], z[5] = {};
-    cudaStreamSynchronize(stream);
-    cudaMemcpyFromSymbol(h, da_prof, sizeof(h));
-    cudaMemcpyToSymbol(da_prof, z, sizeof(z));
-    if (++calls % 20 == 0)
-      fprintf(stderr, "prof d%d pp%d: consumer events %llu, sempty wait %.0f cyc/event; merge units %llu, sfull wait %.0f cyc/warp-event, work %.0f cyc/unit\n",
-              D, pingpong, h[1], (double)h[0] / (h[1] + 1e-9), h[4], (double)h[2] / (h[1] * NMW + 1e-9), (double)h[3] / (h[4] + 1e-9));
-  }
-#endif
   return cudaGetLastError();
 }
 
