@@ -8,7 +8,10 @@
  * Prefill: B 8 x L 4096 x H 32 at d 64 and 128, and B 2 x L 16384 x H 32 at d 128, causal
  * (the contract is causal; non-causal rows are reported for the peers only).
  * Prints one CSV line per case (header "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,
- * combine_ms,kv_tbs,tflops"), the input of clients/bench/sdpa_peer.py --ours.
+ * combine_ms,kv_tbs,tflops"), the input of clients/bench/sdpa_peer.py --ours. ms is the
+ * whole step (attention then combine, no event between them, so the combine starts as a
+ * programmatic dependent as in the daemon), attn_ms the attention alone, combine_ms the
+ * difference: what the combine adds to a step.
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -981,32 +981,28 @@ int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double
   char err[256];
   size_t errlen = sizeof(err);
   int rv = 0;
-  float t_a = 0.0f, t_c = 0.0f;
+  float t_a = 0.0f, t_s = 0.0f;
   double sa = 0.0, sc = 0.0;
   for (int i = 0; i < warmup; i++) {
     CUDA_GOTO(c, attn_launch(c), fail);
     CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
   }
-  /* DA_CUDA_BENCH_FUSED=1: no event between the attention and the combine, so the combine
-   * starts as a programmatic dependent as in a real step; all the time is reported as
-   * attention then. */
-  const char *fused_env = getenv("DA_CUDA_BENCH_FUSED");
-  const int fused = fused_env != NULL && strcmp(fused_env, "1") == 0;
+  /* The step as it runs: no event between the attention and the combine, so the combine
+   * starts as a programmatic dependent (resident during the attention's last wave); then the
+   * attention alone. The combine's share is the difference: what it adds to a step. */
   for (int i = 0; i < iters; i++) {
     CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
     CUDA_GOTO(c, attn_launch(c), fail);
-    if (!fused) CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
     CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
     CUDA_GOTO(c, cudaEventRecord(c->ev[2], c->stream), fail);
     CUDA_GOTO(c, cudaEventSynchronize(c->ev[2]), fail);
-    if (fused) {
-      CUDA_GOTO(c, cudaEventElapsedTime(&t_a, c->ev[0], c->ev[2]), fail);
-      t_c = 0.0f;
-    } else {
-      CUDA_GOTO(c, cudaEventElapsedTime(&t_a, c->ev[0], c->ev[1]), fail);
-      CUDA_GOTO(c, cudaEventElapsedTime(&t_c, c->ev[1], c->ev[2]), fail);
-    }
-    sa += t_a, sc += t_c;
+    CUDA_GOTO(c, cudaEventElapsedTime(&t_s, c->ev[0], c->ev[2]), fail);
+    CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
+    CUDA_GOTO(c, attn_launch(c), fail);
+    CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
+    CUDA_GOTO(c, cudaEventSynchronize(c->ev[1]), fail);
+    CUDA_GOTO(c, cudaEventElapsedTime(&t_a, c->ev[0], c->ev[1]), fail);
+    sa += t_a, sc += t_s - t_a;
   }
   *ms_attn = iters > 0 ? sa / iters : 0.0;
   *ms_combine = iters > 0 ? sc / iters : 0.0;

@@ -23,7 +23,9 @@ int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64
                           da_batch_result *res);
 
 /* Replays the prepared attention and combine kernels: warmup runs, then iters timed runs
- * with CUDA events; the mean ms per run of the attention kernel and of the combine kernel.
+ * with CUDA events of the whole step (no event between the two kernels, so the combine
+ * launches as a programmatic dependent as in a real step) and of the attention alone; the
+ * mean ms of the attention alone and what the combine adds (step minus attention).
  * n_sm: the device's SM count. */
 int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double *ms_combine,
                        int *n_sm);
