@@ -153,6 +153,14 @@ static int roundtrip(detattn_client *c, Request *rq, reply *out) {
   return st;
 }
 
+/* A blocking call whose reply carries nothing but its status. */
+static int roundtrip_status(detattn_client *c, Request *rq) {
+  reply x;
+  int st = roundtrip(c, rq, &x);
+  if (st == DETATTN_OK) reply_free(&x);
+  return st;
+}
+
 static void copy_str(char *dst, size_t cap, const char *src) { snprintf(dst, cap, "%s", src ? src : ""); }
 
 static int info_from_reply(const Detattn__V1__HelloReply *h, detattn_server_info *o) {
@@ -198,21 +206,31 @@ static int info_from_reply(const Detattn__V1__HelloReply *h, detattn_server_info
   return DETATTN_OK;
 }
 
+/* RegisterArena: the id and token the memory is to be handed over with. */
+static int roundtrip_register(detattn_client *c, Detattn__V1__RegisterArena *ra, uint32_t *id, uint64_t *token) {
+  Request rq = DETATTN__V1__REQUEST__INIT;
+  reply x;
+  int st;
+
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = ra;
+  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
+  *id = x.r->register_arena->arena;
+  *token = x.r->register_arena->token;
+  reply_free(&x);
+  return DETATTN_OK;
+}
+
 /* Registers the arena on this connection and hands it over (shm plane). */
 static int arena_register(detattn_client *c) {
-  Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
-  reply x;
+  uint32_t id;
+  uint64_t token;
   int st;
 
   if (!c->arena.base && (st = da_arena_create(&c->arena, (size_t)c->opts.arena_bytes)) != DETATTN_OK) return st;
   ra.size = c->arena.size;
-  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
-  rq.register_arena = &ra;
-  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
-  uint32_t id = x.r->register_arena->arena;
-  uint64_t token = x.r->register_arena->token;
-  reply_free(&x);
+  if ((st = roundtrip_register(c, &ra, &id, &token)) != DETATTN_OK) return st;
   char path[256];
   pthread_mutex_lock(&c->mu);
   snprintf(path, sizeof path, "%s", c->arena_path);
@@ -236,11 +254,11 @@ static int arena_register(detattn_client *c) {
 /* Registers a doorbell ring on this connection and hands it over; it becomes the client's
  * unless the connection dropped meanwhile (gen changed: the daemon forgot it). */
 static int ring_register(detattn_client *c, const char *path, int timeout, unsigned gen) {
-  Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
   Detattn__V1__DoorbellRing g = DETATTN__V1__DOORBELL_RING__INIT;
   da_ring *r;
-  reply x;
+  uint32_t id;
+  uint64_t token;
   int st;
 
   if ((st = da_ring_create(&r, RING_SLOTS, RING_REQUEST_BYTES, RING_REPLY_BYTES, c->opts.doorbell_spin_us)) !=
@@ -248,14 +266,8 @@ static int ring_register(detattn_client *c, const char *path, int timeout, unsig
     return st;
   da_ring_geometry(r, &g.slots, &g.request_bytes, &g.reply_bytes, &ra.size);
   ra.doorbell = &g;
-  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
-  rq.register_arena = &ra;
-  if ((st = roundtrip(c, &rq, &x)) == DETATTN_OK) {
-    uint32_t id = x.r->register_arena->arena;
-    uint64_t token = x.r->register_arena->token;
-    reply_free(&x);
+  if ((st = roundtrip_register(c, &ra, &id, &token)) == DETATTN_OK)
     st = da_ring_handover(r, path, id, token, timeout);
-  }
   if (st == DETATTN_OK) {
     pthread_mutex_lock(&c->mu);
     if (c->conn_gen == gen && !c->closing && !c->ring) {
@@ -358,15 +370,11 @@ int da_ops_register_cuda(detattn_client *c, int event, const void *handle, size_
 int da_ops_unregister(detattn_client *c, uint32_t id) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__UnregisterArena ua = DETATTN__V1__UNREGISTER_ARENA__INIT;
-  reply x;
-  int st;
 
   ua.arena = id;
   rq.op_case = DETATTN__V1__REQUEST__OP_UNREGISTER_ARENA;
   rq.unregister_arena = &ua;
-  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
-  reply_free(&x);
-  return DETATTN_OK;
+  return roundtrip_status(c, &rq);
 }
 
 DETATTN_API int detattn_hello(detattn_client *c, detattn_server_info *out) {
@@ -481,30 +489,22 @@ DETATTN_API int detattn_seq_fork(detattn_client *c, uint64_t src, uint64_t *seq_
 DETATTN_API int detattn_seq_truncate(detattn_client *c, uint64_t seq, uint32_t length) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__SeqTruncate t = DETATTN__V1__SEQ_TRUNCATE__INIT;
-  reply x;
-  int st;
 
   t.seq = seq;
   t.length = length;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_TRUNCATE;
   rq.seq_truncate = &t;
-  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
-  reply_free(&x);
-  return DETATTN_OK;
+  return roundtrip_status(c, &rq);
 }
 
 DETATTN_API int detattn_seq_close(detattn_client *c, uint64_t seq) {
   Request rq = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__SeqClose sc = DETATTN__V1__SEQ_CLOSE__INIT;
-  reply x;
-  int st;
 
   sc.seq = seq;
   rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_CLOSE;
   rq.seq_close = &sc;
-  if ((st = roundtrip(c, &rq, &x)) != DETATTN_OK) return st;
-  reply_free(&x);
-  return DETATTN_OK;
+  return roundtrip_status(c, &rq);
 }
 
 /* The arguments every Forward checks before anything is built; *want_lse when any item has
