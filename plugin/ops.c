@@ -525,6 +525,25 @@ static int check_call(detattn_client *c, const detattn_seq_io *items, size_t n, 
   return DETATTN_OK;
 }
 
+/* A ForwardSeq naming its sequence, position and token count, without tensors. */
+static void forward_seq_init(Detattn__V1__ForwardSeq *s, const detattn_seq_io *it) {
+  *s = (Detattn__V1__ForwardSeq)DETATTN__V1__FORWARD_SEQ__INIT;
+  s->seq = it->seq;
+  s->pos = it->pos;
+  s->n_tokens = it->n_tokens;
+}
+
+/* Makes rq the Forward f of layer over the n sequences seqs. */
+static void forward_fill(Request *rq, Detattn__V1__Forward *f, uint32_t layer, Detattn__V1__ForwardSeq **seqs,
+                         size_t n, int want_lse) {
+  f->layer = layer;
+  f->n_seqs = n;
+  f->seqs = seqs;
+  f->want_lse = want_lse;
+  rq->op_case = DETATTN__V1__REQUEST__OP_FORWARD;
+  rq->forward = f;
+}
+
 DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn_seq_io *items, size_t n,
                                       detattn_call **out) {
   Request rq = DETATTN__V1__REQUEST__INIT;
@@ -558,11 +577,7 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
   pthread_mutex_unlock(&c->mu);
   for (size_t i = 0; i < n; i++) {
     const detattn_seq_io *it = &items[i];
-    Detattn__V1__ForwardSeq init = DETATTN__V1__FORWARD_SEQ__INIT;
-    seqs[i] = init;
-    seqs[i].seq = it->seq;
-    seqs[i].pos = it->pos;
-    seqs[i].n_tokens = it->n_tokens;
+    forward_seq_init(&seqs[i], it);
     size_t qb = (size_t)(it->n_tokens * q_row), kb = (size_t)(it->n_tokens * kv_row), lb = (size_t)it->n_tokens * lse_row;
     outs[i] = (da_call_out){.n_tokens = it->n_tokens, .o = it->o, .lse = it->lse};
     if (arena) {
@@ -625,12 +640,7 @@ DETATTN_API int detattn_forward_start(detattn_client *c, uint32_t layer, detattn
     arena = 0;
     i = (size_t)-1;
   }
-  f.layer = layer;
-  f.n_seqs = n;
-  f.seqs = ptrs;
-  f.want_lse = want_lse;
-  rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
-  rq.forward = &f;
+  forward_fill(&rq, &f, layer, ptrs, n, want_lse);
   if (info.max_message_bytes) {
     size_t len = detattn__v1__request__get_packed_size(&rq);
     if (len > info.max_message_bytes) {
@@ -705,11 +715,7 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   size_t n_refs = 0;
   for (size_t i = 0; i < n && st == DETATTN_OK; i++) {
     const detattn_seq_io *it = &items[i];
-    Detattn__V1__ForwardSeq init = DETATTN__V1__FORWARD_SEQ__INIT;
-    seqs[i] = init;
-    seqs[i].seq = it->seq;
-    seqs[i].pos = it->pos;
-    seqs[i].n_tokens = it->n_tokens;
+    forward_seq_init(&seqs[i], it);
     outs[i] = (da_call_out){.n_tokens = it->n_tokens, .o = it->o, .lse = it->lse, .o_ref = 1, .lse_ref = want_lse};
     ptrs[i] = &seqs[i];
     if (it->n_tokens == 0) continue;
@@ -744,16 +750,11 @@ DETATTN_API int detattn_forward_cuda_start(detattn_client *c, uint32_t layer, de
   da_cuda_use_fini(&use);
   pthread_mutex_unlock(&c->plane_mu);
   if (st != DETATTN_OK) goto done;
-  f.layer = layer;
-  f.n_seqs = n;
-  f.seqs = ptrs;
-  f.want_lse = want_lse;
+  forward_fill(&rq, &f, layer, ptrs, n, want_lse);
   /* No signal_event: the daemon answers once the outputs are written, so work the caller
    * queues after the call is already ordered after them, and an interprocess event
    * recorded on the daemon's stream cost ~0.26 ms per batch (H100, 2026-11-24). */
   f.wait_event = ev->ready_id;
-  rq.op_case = DETATTN__V1__REQUEST__OP_FORWARD;
-  rq.forward = &f;
   if ((st = start_request(c, &rq, &k)) != DETATTN_OK) {
     detattn_call tmp = {.client = c, .cu_stream = stream, .cu_ev = ev, .cu_bufs = ids, .n_cu_bufs = n_ids};
     da_cuda_call_end(c, &tmp, DETATTN_FAILED_PRECONDITION);
