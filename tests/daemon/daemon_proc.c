@@ -33,6 +33,18 @@ int da_daemon_log_has(const da_daemon_proc *d, const char *needle) {
   return found;
 }
 
+int da_daemon_log_url(const da_daemon_proc *d, char *url, size_t len) {
+  FILE *f = fopen(d->log, "r");
+  char line[512], word[512];
+  int found = 0;
+  url[0] = '\0';
+  if (!f) return -1;
+  while (!found && fgets(line, sizeof line, f)) found = sscanf(line, "listening on %511s", word) == 1;
+  fclose(f);
+  if (found) snprintf(url, len, "%s", word);
+  return found ? 0 : -1;
+}
+
 /* Starts detattnd on d->url (set) in d->dir (exists). */
 static int spawn(da_daemon_proc *d, const char *detattnd, const char *const *args) {
   const char *argv[64];

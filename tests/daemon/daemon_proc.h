@@ -31,6 +31,9 @@ void da_daemon_stop(da_daemon_proc *d);
 void da_daemon_dump_log(const da_daemon_proc *d);
 /* 1 when a line of the daemon's log so far contains needle, else 0 (also when there is no log). */
 int da_daemon_log_has(const da_daemon_proc *d, const char *needle);
+/* The address of the log's first "listening on" line in url: 0, or -1 ("" in url) when the log
+ * has none. */
+int da_daemon_log_url(const da_daemon_proc *d, char *url, size_t len);
 
 /* Makes test certificates with the openssl CLI in dir: ca.pem/ca.key (a CA), server.pem/
  * server.key (signed by it, for 127.0.0.1 and localhost), client.pem/client.key (signed by

@@ -956,11 +956,8 @@ START_TEST(no_doorbell_where_none_is_offered) {
   /* Over tcp: AUTO goes over nng, ON fails. */
   static const char *const tcp[] = {"--listen", "tcp://127.0.0.1:0", NULL};
   start(tcp);
-  FILE *f = fopen(D.log, "r");
-  char line[512], url[200] = "";
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "listening on %199s", url) == 1) break;
-  fclose(f);
+  char url[200];
+  ck_assert_msg(da_daemon_log_url(&D, url, sizeof url) == 0, "no 'listening on' line in the log");
   detattn_connect_opts_init(&o);
   ck_assert_int_eq(detattn_connect_ex(&c, url, &o), DETATTN_OK);
   ck_assert_int_eq(detattn_hello(c, &info), DETATTN_OK);

@@ -370,11 +370,8 @@ START_TEST(shm_is_refused_over_tcp_and_auto_falls_back_to_copy) {
                                      "--listen", "tcp://127.0.0.1:0", NULL};
   da_daemon_proc t;
   ck_assert_int_eq(da_daemon_start(&t, DETATTND_PATH, args), 0);
-  FILE *f = fopen(t.log, "r");
-  char line[512], url[200] = "";
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "listening on %199s", url) == 1) break;
-  fclose(f);
+  char url[200];
+  ck_assert_msg(da_daemon_log_url(&t, url, sizeof url) == 0, "no 'listening on' line in the log");
   detattn_connect_opts o;
   detattn_connect_opts_init(&o);
   detattn_client *c;

@@ -38,12 +38,7 @@ static void setup(void) {
                         "--listen", "tls+tcp://127.0.0.1:0", "--tls-cert", path("server.pem"),
                         "--tls-key", path("server.key"), "--tls-ca", path("ca.pem"), NULL};
   if (da_daemon_start(&D, DETATTND_PATH, args) != 0) ck_abort_msg("detattnd did not start");
-  FILE *f = fopen(D.log, "r");
-  char line[512];
-  url[0] = '\0';
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "listening on %159s", url) == 1) break;
-  fclose(f);
+  da_daemon_log_url(&D, url, sizeof url);
   ck_assert_msg(strncmp(url, "tls+tcp://127.0.0.1:", 20) == 0 && strcmp(url + strlen(url) - 2, ":0") != 0,
                 "listening on '%s'", url);
 }
