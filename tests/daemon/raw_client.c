@@ -55,6 +55,24 @@ uint64_t da_raw_seq_open(da_raw *r) {
   return seq;
 }
 
+int da_raw_register(da_raw *r, uint64_t size, Detattn__V1__DoorbellRing *ring, uint32_t *id, uint64_t *token,
+                    char *msg, size_t len) {
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
+  Detattn__V1__Response *resp;
+  ra.size = size;
+  ra.doorbell = ring;
+  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
+  rq.register_arena = &ra;
+  int code = da_raw_call(r, &rq, msg, len, &resp);
+  if (code == 0) {
+    *id = resp->register_arena->arena;
+    *token = resp->register_arena->token;
+  }
+  detattn__v1__response__free_unpacked(resp, NULL);
+  return code;
+}
+
 void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64_t base, uint64_t q_row,
                      uint64_t kv_row, uint64_t lse_row) {
   Detattn__V1__ForwardSeq fs = DETATTN__V1__FORWARD_SEQ__INIT;

@@ -28,6 +28,10 @@ int da_raw_call(da_raw *r, Detattn__V1__Request *rq, char *msg, size_t len, Deta
 void da_raw_expect(int got, const char *msg, int want, const char *what);
 /* SeqOpen: the new sequence. */
 uint64_t da_raw_seq_open(da_raw *r);
+/* RegisterArena of size bytes, a doorbell ring's when ring is not NULL: the reply's status
+ * code and message (da_raw_call); on success the arena's id and token in *id and *token. */
+int da_raw_register(da_raw *r, uint64_t size, Detattn__V1__DoorbellRing *ring, uint32_t *id, uint64_t *token,
+                    char *msg, size_t len);
 
 /* A one-sequence Forward of n tokens at pos 0 with every tensor (q, k, v, o, lse) by
  * reference into region, packed from offset base on. */

@@ -446,24 +446,11 @@ static da_ring_slot *rslot(rring *g, uint32_t i) { return da_ring_slot_at(g->bas
 /* RegisterArena with this ring's geometry (size: the layout's unless size_override). */
 static int rring_register(da_raw *r, const rring *g, uint64_t size_override, uint32_t *id, uint64_t *token, char *msg,
                           size_t len) {
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
   Detattn__V1__DoorbellRing dr = DETATTN__V1__DOORBELL_RING__INIT;
-  Detattn__V1__Response *resp;
   dr.slots = g->slots;
   dr.request_bytes = g->req;
   dr.reply_bytes = g->rep;
-  ra.size = size_override ? size_override : g->size;
-  ra.doorbell = &dr;
-  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
-  rq.register_arena = &ra;
-  int code = da_raw_call(r, &rq, msg, len, &resp);
-  if (code == 0) {
-    *id = resp->register_arena->arena;
-    *token = resp->register_arena->token;
-  }
-  detattn__v1__response__free_unpacked(resp, NULL);
-  return code;
+  return da_raw_register(r, size_override ? size_override : g->size, &dr, id, token, msg, len);
 }
 
 static int bell_side_send(const int *fds, int n_fds, uint32_t id, uint64_t token) {

@@ -162,17 +162,9 @@ static int handover(int fd, uint32_t id, uint64_t token) {
 }
 
 static uint32_t raw_register(da_raw *r, uint64_t size, uint64_t *token) {
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__RegisterArena ra = DETATTN__V1__REGISTER_ARENA__INIT;
-  Detattn__V1__Response *resp;
   char msg[256];
-  ra.size = size;
-  rq.op_case = DETATTN__V1__REQUEST__OP_REGISTER_ARENA;
-  rq.register_arena = &ra;
-  da_raw_expect(da_raw_call(r, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "register_arena");
-  uint32_t id = resp->register_arena->arena;
-  *token = resp->register_arena->token;
-  detattn__v1__response__free_unpacked(resp, NULL);
+  uint32_t id = 0;
+  da_raw_expect(da_raw_register(r, size, NULL, &id, token, msg, sizeof msg), msg, DETATTN_OK, "register_arena");
   return id;
 }
 
