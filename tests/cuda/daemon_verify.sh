@@ -11,11 +11,9 @@ set -u
 detattnd=$1
 cli=$2
 seed=${3:-${DETATTN_TEST_SEED:-$(( $(date +%s) % 100000 + 1 ))}}
+. "$(dirname "${BASH_SOURCE[0]}")/../common/gpu_daemon.sh"
 
-if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi -L > /dev/null 2>&1; then
-  echo "skip: no CUDA device (nvidia-smi missing or failing)"
-  exit 77
-fi
+skip_without_cuda_device
 
 dir=$(mktemp -d /tmp/detattn-cuda-verify-XXXXXX) || exit 1
 pid=
@@ -37,21 +35,7 @@ url="ipc://$dir/d.sock"
   --max-request-tokens 2048 --max-batch-tokens 4096 --log-level info 2> "$dir/detattnd.log" &
 pid=$!
 
-for _ in $(seq 1 300); do
-  grep -q "^listening on " "$dir/detattnd.log" && break
-  if ! kill -0 "$pid" 2> /dev/null; then
-    wait "$pid"
-    rc=$?
-    pid=
-    if grep -qE "no usable device|not present|is not built in|built for sm_" "$dir/detattnd.log"; then
-      echo "skip: $(grep -m1 -E "no usable device|not present|is not built in|built for sm_" "$dir/detattnd.log")"
-      exit 77
-    fi
-    fail "detattnd exited $rc before listening"
-  fi
-  sleep 0.1
-done
-grep -q "^listening on " "$dir/detattnd.log" || fail "detattnd did not print 'listening on' in 30 s"
+wait_listening "$dir/detattnd.log" 30 detattnd
 grep -q "backend cuda" "$dir/detattnd.log" || fail "detattnd did not open the cuda backend"
 
 "$cli" --url "$url" --timeout 30000 --json verify --clients 8 --check-ref --seed "$seed" \

@@ -9,11 +9,9 @@ set -u
 readme=$1
 detattnd=$2
 cli=$3
+. "$(dirname "${BASH_SOURCE[0]}")/../common/gpu_daemon.sh"
 
-if ! command -v nvidia-smi > /dev/null 2>&1 || ! nvidia-smi -L > /dev/null 2>&1; then
-  echo "skip: no CUDA device (nvidia-smi missing or failing)"
-  exit 77
-fi
+skip_without_cuda_device
 # The example: the line starting "detattnd --listen ipc:///tmp/d.sock" and its continuations.
 example=$(sed -n '/^detattnd --listen ipc:\/\/\/tmp\/d.sock/,/[^\\]$/p' "$readme" | tr -d '\\\n')
 if [ -z "$example" ]; then
@@ -45,21 +43,7 @@ fail() {
 url="ipc://$dir/d.sock"
 "$detattnd" --listen "$url" "${args[@]}" 2> "$dir/detattnd.log" &
 pid=$!
-for _ in $(seq 1 600); do
-  grep -q "^listening on " "$dir/detattnd.log" && break
-  if ! kill -0 "$pid" 2> /dev/null; then
-    wait "$pid"
-    rc=$?
-    pid=
-    if grep -qE "no usable device|not present|is not built in|built for sm_" "$dir/detattnd.log"; then
-      echo "skip: $(grep -m1 -E "no usable device|not present|is not built in|built for sm_" "$dir/detattnd.log")"
-      exit 77
-    fi
-    fail "the README example exited $rc before listening"
-  fi
-  sleep 0.1
-done
-grep -q "^listening on " "$dir/detattnd.log" || fail "no 'listening on' within 60 s"
+wait_listening "$dir/detattnd.log" 60 "the README example"
 grep -q "backend cuda" "$dir/detattnd.log" || fail "the example did not open the cuda backend"
 grep -q "sized from --max-batch-tokens" "$dir/detattnd.log" || fail "staging was not sized from --max-batch-tokens"
 grep -E "backend|KV cache|device memory" "$dir/detattnd.log"
