@@ -158,6 +158,14 @@ static void expect_status(const Detattn__V1__Response *m, int want, const char *
 }
 #define EXPECT_STATUS(m, want, needle) expect_status((m), (want), (needle), __LINE__)
 
+/* Sends req and expects its reply's status (as EXPECT_STATUS); the reply is freed. */
+static void expect_rpc(nng_socket s, Detattn__V1__Request *req, int want, const char *needle, int line) {
+  Detattn__V1__Response *m = rpc(s, req);
+  expect_status(m, want, needle, line);
+  detattn__v1__response__free_unpacked(m, NULL);
+}
+#define EXPECT_RPC(s, req, want, needle) expect_rpc((s), (req), (want), (needle), __LINE__)
+
 static void hello_ok(nng_socket s) {
   Detattn__V1__Request req = DETATTN__V1__REQUEST__INIT;
   Detattn__V1__Hello h = DETATTN__V1__HELLO__INIT;
@@ -267,9 +275,7 @@ END_TEST
 START_TEST(request_without_op_gets_invalid_argument) {
   nng_socket s = dial();
   Detattn__V1__Request req = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__Response *m = rpc(s, &req);
-  EXPECT_STATUS(m, DETATTN_INVALID_ARGUMENT, "no op");
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(s, &req, DETATTN_INVALID_ARGUMENT, "no op");
   hello_ok(s);
   nng_close(s);
 }
@@ -283,9 +289,7 @@ START_TEST(oversized_message_gets_resource_exhausted) {
   fwd_build(&x, 0, 1, &sq, &pos, &n);
   void *big = calloc(1, MAX_MSG + 100);
   x.s[0].q = (ProtobufCBinaryData){MAX_MSG + 100, big};
-  Detattn__V1__Response *m = rpc(s, &x.req);
-  EXPECT_STATUS(m, DETATTN_RESOURCE_EXHAUSTED, "max-message-bytes");
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(s, &x.req, DETATTN_RESOURCE_EXHAUSTED, "max-message-bytes");
   free(big);
   fwd_free(&x);
   ck_assert_int_eq(forward1(s, sq, 0, 0, 3, NULL), 0); /* nothing was written: pos 0 still fits */
@@ -300,11 +304,9 @@ START_TEST(bad_tensor_length_names_the_field) {
   fwd x;
   fwd_build(&x, 1, 1, &sq, &pos, &n);
   x.s[0].v.len -= 4;
-  Detattn__V1__Response *m = rpc(s, &x.req);
   char want[96];
   snprintf(want, sizeof(want), "forward.seqs[0].v: expected %d bytes", n * HKV * HD * 2);
-  EXPECT_STATUS(m, DETATTN_INVALID_ARGUMENT, want);
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(s, &x.req, DETATTN_INVALID_ARGUMENT, want);
   fwd_free(&x);
   ck_assert_int_eq(forward1(s, sq, 1, 0, 5, NULL), 0);
   nng_close(s);
@@ -320,9 +322,7 @@ START_TEST(forward_argument_errors) {
   int pos[2] = {0, 0}, n[2] = {1, 1};
   fwd x;
   fwd_build(&x, 0, 2, two, pos, n);
-  Detattn__V1__Response *m = rpc(s, &x.req);
-  EXPECT_STATUS(m, DETATTN_INVALID_ARGUMENT, "more than once");
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(s, &x.req, DETATTN_INVALID_ARGUMENT, "more than once");
   fwd_free(&x);
   ck_assert_int_eq(forward1(s, sq, 0, 0, 2, NULL), 0);
   nng_close(s);
@@ -349,13 +349,9 @@ START_TEST(unknown_and_foreign_sequences_are_not_found) {
   c.seq = sa;
   req.op_case = DETATTN__V1__REQUEST__OP_SEQ_CLOSE;
   req.seq_close = &c;
-  Detattn__V1__Response *m = rpc(b, &req);
-  EXPECT_STATUS(m, DETATTN_NOT_FOUND, NULL);
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(b, &req, DETATTN_NOT_FOUND, NULL);
   ck_assert_int_eq(forward1(a, sa, 0, 0, 1, NULL), 0); /* the owner still can */
-  m = rpc(a, &req);
-  EXPECT_STATUS(m, 0, NULL);
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(a, &req, 0, NULL);
   /* A closed id stays dead even after its handle is reused. */
   uint64_t again = seq_open(a);
   ck_assert_uint_ne(again, sa);
@@ -375,9 +371,7 @@ START_TEST(kv_exhaustion_is_resource_exhausted_and_atomic) {
   int pos[2] = {128, 96}, n[2] = {16, 32}; /* 1 + 2 pages > 2 free */
   fwd x;
   fwd_build(&x, 0, 2, both, pos, n);
-  Detattn__V1__Response *m = rpc(s, &x.req);
-  EXPECT_STATUS(m, DETATTN_RESOURCE_EXHAUSTED, "needs 3 pages, 2 free");
-  detattn__v1__response__free_unpacked(m, NULL);
+  EXPECT_RPC(s, &x.req, DETATTN_RESOURCE_EXHAUSTED, "needs 3 pages, 2 free");
   fwd_free(&x);
   /* Nothing of it was written: both sequences still take their old positions. */
   ck_assert_int_eq(forward1(s, s1, 0, 128, 16, NULL), 0);
