@@ -105,6 +105,24 @@ void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64
   x->rq.forward = &x->f;
 }
 
+int da_raw_calls_in_flight(detattn_client *c, uint64_t q_row, uint64_t kv_row, void **q_out) {
+  enum { N = 2000 };
+  uint16_t *q = detattn_arena_alloc(c, N * q_row), *kv = detattn_arena_alloc(c, N * kv_row);
+  uint16_t *out = detattn_arena_alloc(c, 4 * N * q_row);
+  if (!q || !kv || !out) return 1;
+  memset(q, 0x3c, N * q_row);
+  memset(kv, 0x3b, N * kv_row);
+  detattn_call *calls[4];
+  for (int i = 0; i < 4; i++) {
+    uint64_t seq;
+    if (detattn_seq_open(c, &seq)) return 2;
+    detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = kv, .v = kv, .o = out + (size_t)i * N * q_row / 2};
+    if (detattn_forward_start(c, 0, &io, 1, &calls[i])) return 3;
+  }
+  if (q_out) *q_out = q;
+  return 0;
+}
+
 int da_raw_side_send(const char *url, uint32_t magic, const int *fds, int n_fds, uint32_t id, uint64_t token) {
   char path[128];
   snprintf(path, sizeof path, "%.90s.arena", url + 6);

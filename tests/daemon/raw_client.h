@@ -1,7 +1,7 @@
 /*
  * raw_client.h — protobuf requests sent by hand over nng, for tests that must say what
- * libdetattn never would (hostile references, events, handles). Check assertions inside:
- * call from a test body.
+ * libdetattn never would (hostile references, events, handles), and a child's calls left in
+ * flight. Check assertions inside: call from a test body.
  */
 #ifndef DA_RAW_CLIENT_H
 #define DA_RAW_CLIENT_H
@@ -11,6 +11,7 @@
 
 #include <nng/nng.h>
 
+#include "detattn.h"
 #include "detattn.pb-c.h"
 
 typedef struct da_raw {
@@ -50,5 +51,12 @@ int da_raw_side_send(const char *url, uint32_t magic, const int *fds, int n_fds,
 
 void da_raw_fwd_init(da_raw_fwd *x, uint64_t seq, uint32_t region, int n, uint64_t base, uint64_t q_row,
                      uint64_t kv_row, uint64_t lse_row);
+
+/* For a child process that is killed with calls in flight, through libdetattn: four Forwards
+ * of 2000 tokens at pos 0 on fresh sequences of c (layer 0, no lse), every tensor in c's
+ * arena (q_row, kv_row: bytes a token; they take 2000 x (5 q_row + kv_row) bytes of it);
+ * never waited for. Returns 0, or the step that failed: 1 an arena allocation, 2 a
+ * seq_open, 3 a forward_start. *q (when q is not NULL): the arena block of q. */
+int da_raw_calls_in_flight(detattn_client *c, uint64_t q_row, uint64_t kv_row, void **q);
 
 #endif /* DA_RAW_CLIENT_H */

@@ -731,19 +731,8 @@ static void bell_victim(int fd_go, int fd_ready) {
   detattn_server_info info;
   if (detattn_connect_ex(&c, D.url, &o) || detattn_hello(c, &info)) _exit(10);
   if (detattn_doorbell_get(c) != DETATTN_DOORBELL_ON) _exit(11);
-  enum { N = 2000 };
-  uint16_t *q = detattn_arena_alloc(c, N * QROW), *kv = detattn_arena_alloc(c, N * KVROW);
-  uint16_t *out = detattn_arena_alloc(c, 4 * N * QROW);
-  if (!q || !kv || !out) _exit(12);
-  memset(q, 0x3c, N * QROW);
-  memset(kv, 0x3b, N * KVROW);
-  detattn_call *calls[4];
-  for (int i = 0; i < 4; i++) {
-    uint64_t seq;
-    if (detattn_seq_open(c, &seq)) _exit(13);
-    detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = kv, .v = kv, .o = out + (size_t)i * N * QROW / 2};
-    if (detattn_forward_start(c, 0, &io, 1, &calls[i])) _exit(14);
-  }
+  int failed = da_raw_calls_in_flight(c, QROW, KVROW, NULL);
+  if (failed) _exit(11 + failed);
   if (write(fd_ready, "r", 1) != 1) _exit(15);
   for (;;) pause();
 }

@@ -280,19 +280,9 @@ static void shm_victim(int fd_go, int fd_ready, int unmap) {
   o.arena_bytes = 32u << 20;
   detattn_server_info info;
   if (detattn_connect_ex(&c, D.url, &o) || detattn_hello(c, &info)) _exit(10);
-  enum { N = 2000 };
-  uint16_t *q = detattn_arena_alloc(c, N * QROW), *kv = detattn_arena_alloc(c, N * KVROW);
-  uint16_t *out = detattn_arena_alloc(c, 4 * N * QROW);
-  if (!q || !kv || !out) _exit(11);
-  memset(q, 0x3c, N * QROW);
-  memset(kv, 0x3b, N * KVROW);
-  detattn_call *calls[4];
-  for (int i = 0; i < 4; i++) {
-    uint64_t seq;
-    if (detattn_seq_open(c, &seq)) _exit(12);
-    detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = kv, .v = kv, .o = out + (size_t)i * N * QROW / 2};
-    if (detattn_forward_start(c, 0, &io, 1, &calls[i])) _exit(13);
-  }
+  void *q;
+  int failed = da_raw_calls_in_flight(c, QROW, KVROW, &q);
+  if (failed) _exit(10 + failed);
   if (unmap) {
     /* Pull the whole arena out from under the daemon's feet (its own mapping stays). */
     uint8_t *base = (uint8_t *)q - 64;
