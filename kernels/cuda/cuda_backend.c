@@ -273,7 +273,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     (void)path;
 #endif
   }
-  c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS : DA_CU_BLOCK_ROWS;
+  c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS(m->head_dim) : DA_CU_BLOCK_ROWS;
   c->page_bytes = (int64_t)m->n_layers * 2 * m->n_kv_heads * cfg->page_tokens * m->head_dim * 2;
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
@@ -464,7 +464,7 @@ static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* The kv-head-independent block ranges of an attention: blocks of 64 rows; returns the
+/* The kv-head-independent block ranges of an attention: blocks of c->brows rows; returns the
  * number of blocks and, for block bi, its split range [j0, j1). */
 static void block_splits(const cuda_ctx *c, const da_attn *a, int S, int64_t row0, int *j0, int *j1) {
   const da_model *m = &c->cfg.model;

@@ -28,7 +28,8 @@ extern "C" {
 
 #define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
 #define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
-#define DA_CU_SM90_BLOCK_ROWS 128 /* rows per CTA of prefill_sm90.cu: 2 warpgroups x 64 rows */
+/* rows per CTA of prefill_sm90.cu: 3 consumer warpgroups x 64 rows at head_dim 64, 2 at 128 */
+#define DA_CU_SM90_BLOCK_ROWS(d) ((d) == 64 ? 192 : 128)
 #define DA_CU_COMBINE_ROWS 1 /* rows per combine CTA */
 
 /* One attention request of the batch. Offsets are in elements of their buffer. */

@@ -40,12 +40,22 @@ using namespace da_sm90;
 
 namespace {
 
-constexpr int BN = DA_CU_TILE;  /* keys per tile */
-constexpr int NCW = 2;          /* consumer warpgroups */
-constexpr int BM = NCW * 64;    /* rows per CTA */
-constexpr int NTHREADS = 128 * (NCW + 1);
-constexpr int NTS = BN / 8;     /* n8 fragments of a score tile */
-static_assert(BM == DA_CU_SM90_BLOCK_ROWS, "rows per CTA");
+constexpr int BN = DA_CU_TILE; /* keys per tile */
+constexpr int NTS = BN / 8;    /* n8 fragments of a score tile */
+
+/* Consumer warpgroups per CTA: three at head_dim 64, where a tile's softmax is long next to
+ * its MMAs (FA3's 192-row shape), two at 128. */
+template <int D> struct cta {
+  static constexpr int NCW = D == 64 ? 3 : 2;
+  static constexpr int BM = NCW * 64; /* rows per CTA */
+  static constexpr int NTHREADS = 128 * (NCW + 1);
+  /* setmaxnreg: the producer warpgroup gives registers back, the consumers take them (the
+   * 64K register file: 128 PREGS + 128 NCW CREGS <= 65536). */
+  static constexpr int PREGS = NCW == 3 ? 32 : 40;
+  static constexpr int CREGS = NCW == 3 ? 160 : 232;
+  static_assert(BM == DA_CU_SM90_BLOCK_ROWS(D), "rows per CTA");
+  static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
+};
 
 /* Shared memory, from a 1024-byte aligned base: K and V stages, the in-row fold (fp32 o of
  * every row; touched only at split ends), barriers. Q lives in registers. */
@@ -56,8 +66,9 @@ struct layout {
   static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = OFF_K + NST * TILE_B;
+  static constexpr int NCW = cta<D>::NCW;
   static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;  /* [NCW][4 warps][D / 8][4][32 lanes] fp32 */
-  static constexpr int OFF_BAR = OFF_FOLD + BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
+  static constexpr int OFF_BAR = OFF_FOLD + cta<D>::BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
   static constexpr int BAR_TURN = BAR_AUX + 8;
   static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
@@ -92,7 +103,9 @@ struct item_range {
   int kt_begin, kt_end, w0_min, p_max;
 };
 
+template <int D>
 __device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
+  constexpr int BM = cta<D>::BM;
   item_range r;
   r.it = a.items[idx];
   r.at = a.attns[r.it.attn];
@@ -393,7 +406,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV, 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV, L::NCW == 3 ? 4 : 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {
@@ -454,7 +467,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     auto turn_pass = [&]() {
       if (pingpong) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(bar_turn + 8 * (cw ^ 1));
+        if (lane == 0) mbar_arrive(bar_turn + 8 * (cw + 1 == L::NCW ? 0 : cw + 1));
       }
     };
     auto wait_full = [&]() { mbar_wait(bar_full + 8 * st_n, ph_n & 1); };
@@ -599,7 +612,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
  * barriers' phases and the ping-pong turns carry over from item to item, so the producer
  * loads the next item's first tiles while the consumers finish this one. */
 template <int D, bool BF16, bool PIPE>
-__global__ void __launch_bounds__(NTHREADS, 1)
+__global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
   using L = layout<D>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -609,10 +622,10 @@ __global__ void __launch_bounds__(NTHREADS, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NST; s++) {
       mbar_init(base + L::BAR_FULL + 8 * s, 1);
-      mbar_init(base + L::BAR_EMPTY + 8 * s, NCW * 4); /* one arrival per consumer warp */
+      mbar_init(base + L::BAR_EMPTY + 8 * s, L::NCW * 4); /* one arrival per consumer warp */
     }
     mbar_init(base + L::BAR_AUX, 1);
-    for (int c = 0; c < NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the other warpgroup's warps */
+    for (int c = 0; c < L::NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the previous warpgroup's warps */
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
@@ -620,18 +633,19 @@ __global__ void __launch_bounds__(NTHREADS, 1)
 
   ring_pos rp = {0, 0};
   if (threadIdx.x < 128) {
-    regs_dec<40>();
+    regs_dec<cta<D>::PREGS>();
     if (threadIdx.x < 32) {
       uint32_t aux_ph = 0;
-      for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range(a, i), &tm, base, rp, aux_ph);
+      for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range<D>(a, i), &tm, base, rp, aux_ph);
     }
   } else {
-    regs_inc<232>();
+    regs_inc<cta<D>::CREGS>();
     const int cw = threadIdx.x / 128 - 1;
     uint32_t turn_ph = 0;
-    if (PIPE && pingpong && cw == 1 && (threadIdx.x & 31) == 0) mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
+    if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
+      mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE>(a, cta_range(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+      consume<D, BF16, PIPE>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
                              pingpong, rp, turn_ph);
   }
 }
@@ -680,7 +694,7 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStrea
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16, PIPE><<<grid, NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
+  prefill_kernel<D, BF16, PIPE><<<grid, cta<D>::NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
   return cudaGetLastError();
 }
 
