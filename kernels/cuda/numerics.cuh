@@ -74,11 +74,18 @@ __device__ __forceinline__ void da_state_reset(da_row_state &st) {
  * A fully masked tile leaves (m, l) bit-identical with alpha = 1 (or 0 with l = 0 before
  * any key) and p = 0.
  */
+/* A balanced tree (4 dependent FMNMX at NT 8, not 9): max is exact, so the grouping does not
+ * show, and an all-NaN tile's NaN is ignored by da_rescale's fmaxf as -inf would be. */
 template <int NT>
 __device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
-  float mx = -INFINITY;
+  float v[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) mx = fmaxf(mx, fmaxf(x[nt][2 * r], x[nt][2 * r + 1]));
+  for (int nt = 0; nt < NT; nt++) v[nt] = fmaxf(x[nt][2 * r], x[nt][2 * r + 1]);
+#pragma unroll
+  for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < NT; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+  float mx = v[0];
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   return mx;
