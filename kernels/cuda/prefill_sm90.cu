@@ -239,7 +239,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
-  const int kt_begin = ir.kt_begin, kt_end = ir.kt_end;
+  const int kt_begin = warp_uniform(ir.kt_begin), kt_end = warp_uniform(ir.kt_end);
   constexpr int NV = D / 8; /* n8 fragments of an output row */
   constexpr int NK = D / 16; /* k16 steps of S */
   const int ctid = threadIdx.x - 128 * (cw + 1);
@@ -262,6 +262,9 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     my_begin = max(w0_min / BN, it.j0 * tps);
     my_end = min(p_max / BN, it.j1 * tps - 1);
   }
+  /* Warp-uniform by construction; broadcast from lane 0 so the compiler knows, and keeps the
+   * loop counters and the wgmma descriptors in uniform registers. */
+  my_begin = warp_uniform(my_begin), my_end = warp_uniform(my_end);
 
   const int r0 = wr0 + warp * 16 + g; /* this thread's rows: r0 and r0 + 8 */
   row_info ri[2];
@@ -640,7 +643,7 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     }
   } else {
     regs_inc<cta<D>::CREGS>();
-    const int cw = threadIdx.x / 128 - 1;
+    const int cw = warp_uniform((int)threadIdx.x / 128) - 1;
     uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
