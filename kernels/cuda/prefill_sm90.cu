@@ -74,10 +74,11 @@ struct layout {
   static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
 };
 
-/* A row of the block: valid, its position p and window start w0 (the rest is recomputed at
- * split ends, to keep registers for the tiles). */
+/* A row of the block: valid, its position p and window start w0, and its first and last
+ * splits jf, jl (divisions by the runtime split size, so once per item, not per split end;
+ * the rest is recomputed at split ends, to keep registers for the tiles). */
 struct row_info {
-  int valid, p, w0;
+  int valid, p, w0, jf, jl;
 };
 
 __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_attn &at, int r) {
@@ -86,6 +87,8 @@ __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_at
   ri.valid = r < at.n_q * G;
   ri.p = at.q_pos + r / G;
   ri.w0 = a.window > 0 ? max(0, ri.p - a.window + 1) : 0;
+  ri.jf = ri.w0 / a.split_tokens;
+  ri.jl = ri.p / a.split_tokens;
   return ri;
 }
 
@@ -400,9 +403,8 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       const row_info &w = ri[r];
-      const int jf = w.w0 / a.split_tokens, jl = w.p / a.split_tokens;
-      if (!w.valid || j < jf || j > jl) continue;
-      const int how = partial ? DA_END_WRITE : j == jf ? DA_END_FIRST : DA_END_MERGE;
+      if (!w.valid || j < w.jf || j > w.jl) continue;
+      const int how = partial ? DA_END_WRITE : j == w.jf ? DA_END_FIRST : DA_END_MERGE;
       float *part = nullptr;
       int64_t slot = 0;
       if (partial) {
