@@ -377,15 +377,17 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       da_l_update(st, r, alpha[r], parts);
     }
   };
-  /* acc *= alpha; skipped when every alpha of the warp is exactly 1 (x * 1 == x). */
+  /* acc *= alpha, per half of the warp's rows (g, then g + 8): skipped where every alpha of
+   * that half is exactly 1 (x * 1 == x). */
   auto rescale = [&](const float (&alpha)[2]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < NV; n++) {
-        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    for (int r = 0; r < 2; r++) {
+      if (__any_sync(0xffffffffu, alpha[r] != 1.0f)) {
+#pragma unroll
+        for (int n = 0; n < NV; n++) {
+          acc[n][2 * r] = __fmul_rn(acc[n][2 * r], alpha[r]);
+          acc[n][2 * r + 1] = __fmul_rn(acc[n][2 * r + 1], alpha[r]);
+        }
       }
     }
   };
