@@ -43,6 +43,7 @@ typedef struct cuda_ctx {
   int sm90_grid;     /* DA_CUDA_SM90_GRID (tests, benchmarks): 0 a persistent grid of one CTA per SM, -1
                        ("items") one CTA per item, k > 0 a persistent grid of at most k CTAs */
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
+  int sm90_decode;  /* blocks of at most 16 rows on prefill_sm90.cu too (unless DA_CUDA_SM90_DECODE=0) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -269,6 +270,10 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     const char *grid = getenv("DA_CUDA_SM90_GRID");
     if (grid != NULL && strcmp(grid, "items") == 0) c->sm90_grid = -1;
     else if (grid != NULL && atoi(grid) > 0) c->sm90_grid = atoi(grid);
+    /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
+     * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
+    const char *dec = getenv("DA_CUDA_SM90_DECODE");
+    c->sm90_decode = c->sm90_prefill && !(dec != NULL && strcmp(dec, "0") == 0);
 #else
     (void)path;
 #endif
@@ -714,13 +719,14 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
 }
 
 /* The attention launches: attn.cu for every item, or with sm90_prefill prefill_sm90.cu for
- * the blocks of more than 16 rows and attn.cu for the rest. */
+ * the blocks of more than 16 rows and, with sm90_decode, for the rest too (else attn.cu). */
 static int attn_launch(cuda_ctx *c) {
 #ifdef DA_CUDA_HAVE_SM90A
   if (c->sm90_prefill) {
-    int e = da_cuda_prefill_sm90(&c->args, c->sm90_prefill | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
-    if (e != 0) return e;
     da_cu_args d = c->args;
+    if (c->sm90_decode) d.n_split_items = 0;
+    int e = da_cuda_prefill_sm90(&d, c->sm90_prefill | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
+    if (e != 0 || c->sm90_decode) return e;
     d.items += d.n_items - d.n_split_items;
     d.n_items = d.n_split_items;
     return da_cuda_attn(&d, c->stream);
