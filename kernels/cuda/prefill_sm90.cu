@@ -1,7 +1,8 @@
 /*
- * prefill_sm90.cu — attention for blocks of more than 16 rows on Hopper (sm_90a): warpgroup
- * MMA (wgmma) fed by TMA, one producer warp and two consumer warpgroups per CTA, a K/V
- * pipeline of NST stages over mbarriers. Same work items and per-row arithmetic as attn.cu:
+ * prefill_sm90.cu — attention on Hopper (sm_90a), prefill blocks and (since v3.4, unless
+ * DA_CUDA_SM90_DECODE=0) decode blocks: warpgroup MMA (wgmma) fed by TMA, one producer warp
+ * and two (head_dim 128) or three (64) consumer warpgroups per CTA, a K/V pipeline of NST
+ * stages over mbarriers. Same work items and per-row arithmetic as attn.cu:
  *
  *   per tile of T = 64 keys (absolute, ascending; splits of S tokens at absolute positions):
  *     S = Q K^T       wgmma m64n64k16 (Q from registers), k-order over head_dim ascending in
@@ -17,10 +18,10 @@
  * rows or columns share an instruction does not change it; whether wgmma and mma.sync give
  * the same fp32 bits for the same k-chain is what tests/cuda/test_mma_bits.cu checks.
  *
- * CTA: warpgroup 0 is the producer (one warp issues TMA; registers given back), warpgroups
- * 1 and 2 own rows [row0, row0 + 64) and [row0 + 64, row0 + 128) of an item
- * (DA_CU_SM90_BLOCK_ROWS); a persistent CTA walks several items. Both consumers see every tile of the CTA's key range and compute
- * only the tiles of their own rows' range. K/V tiles arrive by TMA in 128-byte-swizzled
+ * CTA: warpgroup 0 is the producer (one warp issues TMA; registers given back), warpgroup
+ * c + 1 owns rows [row0 + 64 c, row0 + 64 c + 64) of an item (DA_CU_SM90_BLOCK_ROWS(D)); a
+ * persistent CTA walks several items. Every consumer sees every tile of the CTA's key range
+ * and computes only the tiles of its own rows' range (none for rows past the item's). K/V tiles arrive by TMA in 128-byte-swizzled
  * [64][64] boxes (one per page chunk and 64 columns); tiles at the edge of the key range get
  * the rows outside it zeroed by the producer before they are published, so poison (unwritten
  * pages, NaN in tests) never reaches an MMA.
