@@ -265,6 +265,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     int path = 0;
     rv = prefill_path(getenv("DA_CUDA_PREFILL"), m->head_dim, &path, err, errlen);
     if (rv != 0) goto fail;
+    const char *dec = getenv("DA_CUDA_SM90_DECODE");
+    if (dec != NULL && dec[0] != '\0' && strcmp(dec, "0") != 0 && strcmp(dec, "1") != 0) {
+      snprintf(err, errlen, "cuda: DA_CUDA_SM90_DECODE=%s: expected 0 or 1", dec);
+      rv = DETATTN_INVALID_ARGUMENT;
+      goto fail;
+    }
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
     const char *grid = getenv("DA_CUDA_SM90_GRID");
@@ -272,10 +278,9 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     else if (grid != NULL && atoi(grid) > 0) c->sm90_grid = atoi(grid);
     /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
      * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
-    const char *dec = getenv("DA_CUDA_SM90_DECODE");
     c->sm90_decode = c->sm90_prefill && !(dec != NULL && strcmp(dec, "0") == 0);
 #else
-    (void)path;
+    (void)path, (void)dec;
 #endif
   }
   c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS(m->head_dim) : DA_CU_BLOCK_ROWS;

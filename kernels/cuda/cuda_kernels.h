@@ -97,8 +97,8 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
  * da_cuda_attn for the items before the last n_split_items, on wgmma fed by TMA, with items
  * of DA_CU_SM90_BLOCK_ROWS rows (the backend plans them so); the last n_split_items (decode
  * blocks of at most 16 rows) are left to da_cuda_attn, or the backend passes 0 and the
- * decode blocks run here too (only their rows' MMAs count). Same per-row arithmetic; equal bits because wgmma and mma.sync give equal fp32
- * bits (tests/cuda/test_mma_bits.cu). variant: how the consumer warpgroups schedule their
+ * decode blocks run here too (only their rows' MMAs count). Same per-row arithmetic; equal
+ * bits because wgmma and mma.sync give equal fp32 bits (tests/cuda/test_mma_bits.cu). variant: how the consumer warpgroups schedule their
  * MMAs (same bits in all): DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
  * DA_CU_SM90_PIPELINED (the next tile's S and this tile's P.V run under the softmax),
  * DA_CU_SM90_PINGPONG (pipelined, and the warpgroups take turns issuing MMAs). A

@@ -21,10 +21,11 @@
  * CTA: warpgroup 0 is the producer (one warp issues TMA; registers given back), warpgroup
  * c + 1 owns rows [row0 + 64 c, row0 + 64 c + 64) of an item (DA_CU_SM90_BLOCK_ROWS(D)); a
  * persistent CTA walks several items. Every consumer sees every tile of the CTA's key range
- * and computes only the tiles of its own rows' range (none for rows past the item's). K/V tiles arrive by TMA in 128-byte-swizzled
- * [64][64] boxes (one per page chunk and 64 columns); tiles at the edge of the key range get
- * the rows outside it zeroed by the producer before they are published, so poison (unwritten
- * pages, NaN in tests) never reaches an MMA.
+ * and computes only the tiles of its own rows' range (none for rows past the item's). K/V
+ * tiles arrive by TMA in 128-byte-swizzled [64][64] boxes (one per page chunk and 64
+ * columns); tiles at the edge of the key range get the rows outside it zeroed by the
+ * producer before they are published, so poison (unwritten pages, NaN in tests) never
+ * reaches an MMA.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -54,6 +55,8 @@ template <int D> struct cta {
    * 64K register file: 128 PREGS + 128 NCW CREGS <= 65536). */
   static constexpr int PREGS = NCW == 3 ? 32 : 40;
   static constexpr int CREGS = NCW == 3 ? 160 : 232;
+  /* Split-end fragments per range-check group (da_split_end's CHUNK): 8 spill at 160. */
+  static constexpr int END_CHUNK = NCW == 3 ? 4 : 8;
   static_assert(BM == DA_CU_SM90_BLOCK_ROWS(D), "rows per CTA");
   static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
 };
@@ -232,10 +235,10 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  * with the last P V, its softmax runs on a fresh state (the old one kept for the finalize),
  * and the finalize runs once that P V is done. The hand-over sits in the per-split outer
  * loop, not in the steady-state loop (there ptxas serializes every wgmma: C7511).
- * pingpong (PIPE only): the two warpgroups take turns issuing their slot's wgmmas (FA3's
- * inter-warpgroup schedule, on turn[] mbarriers), so one's softmax runs under the other's
- * MMAs. Both run the same number of slots (tiles they skip included), so the turns pair up;
- * this form keeps the per-segment schedule, drained at split ends.
+ * pingpong (PIPE only): the warpgroups take turns, in a ring, issuing their slot's wgmmas
+ * (FA3's inter-warpgroup schedule, on turn[] mbarriers), so one's softmax runs under the
+ * others' MMAs. All run the same number of slots (tiles they skip included), so the turns
+ * pair up; this form keeps the per-segment schedule, drained at split ends.
  */
 template <int D, bool BF16, bool PIPE>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
@@ -414,7 +417,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV, L::NCW == 3 ? 4 : 8>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV, cta<D>::END_CHUNK>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {

@@ -412,11 +412,11 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
 }
 
 /* ---- mbarriers, TMA, fences ------------------------------------------------------------- */
-/* Makes initialised barriers visible to the other threads and to the async proxy (TMA). */
 /* x, known equal in every lane of the warp: lane 0's value, which the compiler may keep in a
  * uniform register (CUTLASS's canonical_warp_idx_sync does the same). */
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+/* Makes initialised barriers visible to the other threads and to the async proxy (TMA). */
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");

@@ -375,6 +375,27 @@ START_TEST(create_rejects_other_tile_sizes) {
 }
 END_TEST
 
+/* The path switches are checked like any input: a value the backend does not know fails
+ * create() with its name in the message, and no backend is left. */
+START_TEST(create_rejects_unknown_path_settings) {
+  da_backend_cfg cfg = {.model = model_of(&cfgs[0]), .num = {.split_tokens = 128, .tile_tokens = 64},
+                        .page_tokens = 16, .n_pages = 16};
+  static const struct {
+    const char *var, *val;
+  } bad[] = {{"DA_CUDA_PREFILL", "wgmma-fast"}, {"DA_CUDA_SM90_DECODE", "yes"}};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    da_backend *be = NULL;
+    char err[256] = "";
+    setenv(bad[i].var, bad[i].val, 1);
+    const int rv = da_backend_open(&be, "cuda", &cfg, err, sizeof(err));
+    unsetenv(bad[i].var);
+    ck_assert_int_eq(rv, DETATTN_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err, bad[i].var) != NULL, "message: %s", err);
+    ck_assert_ptr_null(be);
+  }
+}
+END_TEST
+
 START_TEST(info_names_device_and_fingerprint) {
   da_backend *be = open_be(&cfgs[0]);
   const da_backend_info *in = da_backend_get_info(be);
@@ -478,6 +499,7 @@ int main(void) {
   TCase *tc = tcase_create("small");
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, create_rejects_other_tile_sizes);
+  tcase_add_test(tc, create_rejects_unknown_path_settings);
   tcase_add_test(tc, info_names_device_and_fingerprint);
   tcase_add_test(tc, bad_page_id_is_rejected_and_writes_nothing);
   tcase_add_loop_test(tc, matches_fp64_reference, 0, 2);

@@ -4,8 +4,8 @@
  * (attn.cu, DA_CUDA_PREFILL=mma), bit for bit, on the same seeded inputs: one-shot
  * prefill, chunked prefill (random chunk sizes and split modes), token-by-token decode (on
  * prefill_sm90.cu too in the wgmma paths since v3.4, unless DA_CUDA_SM90_DECODE=0), in-row vs
- * partial splits, and mixed batches (targets alone vs
- * inside random batches of prefill chunks and decode rows); and the wgmma path's accuracy
+ * partial splits, and mixed batches (targets alone vs inside random batches of prefill
+ * chunks and decode rows); and the wgmma path's accuracy
  * against the fp64 reference. Two backends run side by side, one per path; pools poisoned
  * with NaN. Every comparison prints a line (the first differing element with its token, head
  * and column when it fails), then the test asserts none failed.
