@@ -40,6 +40,7 @@ typedef struct tpipe {
   uint32_t listener; /* nng listener id: a retired listener closes with its last connection */
   uint64_t principal;
   size_t queued; /* reply bytes handed to nng and not yet sent */
+  int fd;        /* its socket (open until after REM_POST), or -1: da_transport_drop */
   int dropping;
   da_event *ev_connect, *ev_disconnect;
   struct tpipe *next;
@@ -85,7 +86,8 @@ struct da_transport {
   int refusing; /* new connections are refused (draining) */
   /* The listener check (ipc): see da_transport_check_listener. */
   int ipc_mode;
-  int probe_fd, probe_ticks, probe_seen; /* probe_seen under mu */
+  int probe_fd, probe_ticks;
+  int probing, probe_seen; /* under mu: a check is under way (from before its connect), and came through */
   int generation;
   nng_listener retired[64]; /* replaced listeners, open while they have connections */
   int n_retired;
@@ -209,10 +211,11 @@ static void refuse_log(da_transport *t, const da_peer *p, const char *why) {
 static void on_add_pre(da_transport *t, nng_pipe p) {
   da_peer peer;
   peer_of(p, &peer);
+  int fd = da_nng_pipe_fd((uint32_t)nng_pipe_id(p));
   const char *why = NULL;
   char buf[160];
   pthread_mutex_lock(&t->mu);
-  if (t->probe_fd >= 0 && peer.has_creds && peer.pid == (int32_t)getpid()) {
+  if (t->probing && peer.has_creds && peer.pid == (int32_t)getpid()) {
     /* Our own listener check came through: the listener takes connections. */
     t->probe_seen = 1;
     pthread_mutex_unlock(&t->mu);
@@ -253,6 +256,7 @@ static void on_add_pre(da_transport *t, nng_pipe p) {
       x->id = (uint32_t)nng_pipe_id(p);
       x->listener = (uint32_t)nng_listener_id(nng_pipe_listener(p));
       x->principal = peer.principal;
+      x->fd = fd;
       a->kind = DA_EV_CONNECT;
       a->client = x->id;
       a->peer = peer;
@@ -303,15 +307,22 @@ static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
   if (e) t->notify(t->arg);
 }
 
+/* Ends the reading half of the connection's socket rather than calling nng_pipe_close,
+ * which can hang libnng 1.5.2's reaper when a read is in flight (nng_fd.c): the read sees
+ * end of file and libnng closes the pipe as if the peer had hung up. The descriptor stays
+ * the pipe's while x is listed: libnng closes it after REM_POST, which unlists x under mu. */
 void da_transport_drop(da_transport *t, uint32_t client, const char *why) {
   pthread_mutex_lock(&t->mu);
   tpipe *x = *pipe_slot(t, client);
-  int drop = x && !x->dropping;
-  if (drop) x->dropping = 1;
+  int drop = x && !x->dropping, shut = 0;
+  if (drop) {
+    x->dropping = 1;
+    shut = x->fd >= 0 && shutdown(x->fd, SHUT_RD) == 0;
+  }
   pthread_mutex_unlock(&t->mu);
   if (!drop) return;
   da_log_warn("client %u: %s; connection closed", client, why);
-  nng_pipe_close(pipe_of(client));
+  if (!shut) nng_pipe_close(pipe_of(client));
 }
 
 void da_transport_counts_get(da_transport *t, da_transport_counts *out) {
@@ -338,9 +349,7 @@ static void on_recv(da_tctx *c) {
   if (ev == NULL) {
     /* No reply can be promised: close the connection, so its client learns at once
      * (UNAVAILABLE) instead of waiting for a reply that will not come. */
-    nng_pipe p = nng_msg_get_pipe(msg);
-    da_log_warn("client %u: out of memory receiving a request; connection closed", (unsigned)nng_pipe_id(p));
-    nng_pipe_close(p);
+    da_transport_drop(t, (uint32_t)nng_pipe_id(nng_msg_get_pipe(msg)), "out of memory receiving a request");
     nng_msg_free(msg);
     deliver(t, c->ticket, &no_event);
     recv_again(c);
@@ -697,6 +706,7 @@ void da_transport_check_listener(da_transport *t) {
     pthread_mutex_lock(&t->mu);
     close(t->probe_fd);
     t->probe_fd = -1;
+    t->probing = 0;
     pthread_mutex_unlock(&t->mu);
     return;
   }
@@ -707,15 +717,21 @@ void da_transport_check_listener(da_transport *t) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return;
   const uint8_t hs[8] = {0, 'S', 'P', 0, 0, 0x30, 0, 0}; /* a req0 peer */
-  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || write(fd, hs, sizeof hs) != (ssize_t)sizeof hs) {
-    close(fd); /* connected or not, nothing was negotiated with a half-written handshake */
-    return;
-  }
+  /* Marked before connecting: the daemon's half of the handshake, and so ADD_PRE, may come
+   * before write returns here. */
   pthread_mutex_lock(&t->mu);
-  t->probe_fd = fd;
-  t->probe_ticks = 0;
+  t->probing = 1;
   t->probe_seen = 0;
   pthread_mutex_unlock(&t->mu);
+  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 || write(fd, hs, sizeof hs) != (ssize_t)sizeof hs) {
+    close(fd); /* connected or not, nothing was negotiated with a half-written handshake */
+    pthread_mutex_lock(&t->mu);
+    t->probing = 0;
+    pthread_mutex_unlock(&t->mu);
+    return;
+  }
+  t->probe_fd = fd;
+  t->probe_ticks = 0;
 }
 
 int da_transport_open(da_transport **out, const da_transport_cfg *cfg, char *err, size_t errlen) {

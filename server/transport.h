@@ -120,6 +120,8 @@ void da_transport_event_free(da_event *ev);
 int da_transport_reply(da_transport *t, da_tctx *ctx, const da_wire_response *r);
 /* Closes connection `client` (its DISCONNECT event follows); why goes to the log. */
 void da_transport_drop(da_transport *t, uint32_t client, const char *why);
+/* The socket descriptor of nng pipe `pipe`, or -1 (nng_fd.c says why and how). */
+int da_nng_pipe_fd(uint32_t pipe);
 void da_transport_counts_get(da_transport *t, da_transport_counts *out);
 /* Refuses new connections from now on; the connections open stay. Idempotent. */
 void da_transport_stop_listening(da_transport *t);
