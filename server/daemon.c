@@ -587,7 +587,8 @@ static void on_worker_done(void *arg) {
 /* ---- the shutdown watchdog ----
  *
  * Once SIGTERM arrives the daemon must be gone within drain-timeout-ms + CLOSE_GRACE_MS,
- * whatever nng does: nng_close has been seen never to return under load. A thread waits for
+ * whatever nng does: nng_close has been seen never to return under load (libnng 1.5.2's
+ * reaper can hang for good on a pipe closed in the middle of a read: nng_fd.c). A thread waits for
  * the deadline and, if the process is still there, removes the ipc socket, releases the
  * lock (so a new daemon can take the path at once) and _exit()s. */
 

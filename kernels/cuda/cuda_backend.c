@@ -183,7 +183,9 @@ static struct flight *flights_alloc(void);
  * from tests/cuda/run_wgmma.sh's table.
  * H100, v3.1 (NOTES.md): at head_dim 128 ping-pong beat pipelined by 8-14 % on B 8 L 4k
  * (its warpgroups alternate, so one's split-end finalize can run under the other's MMAs) and
- * lost 1-3 % on B 2 L 16k; at 64 pipelined was 1.5-2.5 % faster.
+ * lost 1-3 % on B 2 L 16k; at 64 pipelined was 1.5-2.5 % faster. Re-measured on v3.4 (three
+ * warpgroups at 64; NOTES.md v3.5): 64 pipelined 5 % faster at S 512 and 2048; 128 ping-pong
+ * 10-17 % faster on B 8 L 4k, pipelined 1-7 % faster only on the longest rows at S 2048.
  */
 #define DA_CUDA_PREFILL_DEFAULT(head_dim) \
   ((head_dim) == 64 ? DA_CU_SM90_PIPELINED : (head_dim) == 128 ? DA_CU_SM90_PINGPONG : 0)
