@@ -114,10 +114,5 @@ int main(void) {
   tcase_add_test(tc, ipc_pipe_fd_and_drop);
   tcase_add_test(tc, tcp_pipe_fd_and_drop);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  nng_fini();
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return da_test_run(s);
 }
