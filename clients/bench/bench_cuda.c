@@ -4,7 +4,8 @@
  * from a seed; the host staging path is not timed).
  *
  * Decode: B in {1, 8, 32, 64, 128} x L in {1k, 4k, 16k, 64k}, Hq 32, Hkv 8, d 128, bf16,
- * page 16, S 512 (fixed splits) and, for comparison only, an occupancy-chosen split size.
+ * page 16 (--page N: 8 to 256), S 512 (fixed splits) and, for comparison only, an
+ * occupancy-chosen split size.
  * Prefill: B 8 x L 4096 x H 32 at d 64 and 128, and B 2 x L 16384 x H 32 at d 128, causal
  * (the contract is causal; non-causal rows are reported for the peers only).
  * Prints one CSV line per case (header "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,
@@ -21,6 +22,11 @@
 #include "bench.h"
 #include "cuda_backend.h"
 
+/* Tokens per KV page (--page), for the pool and the page tables of every case. */
+static int page = 16;
+
+static int64_t pages_of(int64_t tokens) { return (tokens + page - 1) / page; }
+
 typedef struct shape {
   const char *kind;
   int B, L, hq, hkv, d;
@@ -30,7 +36,7 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
   da_backend_cfg cfg = {.model = {.n_layers = 1, .n_q_heads = hq, .n_kv_heads = hkv,
                                   .head_dim = d, .dtype = DA_BF16},
                         .num = {.split_tokens = DA_DEFAULT_SPLIT_TOKENS, .tile_tokens = 64},
-                        .page_tokens = 16, .n_pages = (int)((tokens + 15) / 16),
+                        .page_tokens = page, .n_pages = (int)pages_of(tokens),
                         .staging_bytes = staging};
   da_model_defaults(&cfg.model);
   da_backend_info info;
@@ -43,8 +49,8 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
   static const char *paths[] = {"mma.sync (attn.cu)", "wgmma-serial (prefill_sm90.cu)",
                                 "wgmma-pipelined (prefill_sm90.cu)", "wgmma-pingpong (prefill_sm90.cu)"};
   const int path = da_cuda_prefill_path(*ctx);
-  fprintf(stderr, "bench cuda: %s, KV %.1f GiB, acc %.0f MiB, staging %.0f MiB, prefill path %s\n", info.arch,
-          info.kv_bytes / 1073741824.0, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0,
+  fprintf(stderr, "bench cuda: %s, KV %.1f GiB in pages of %d tokens, acc %.0f MiB, staging %.0f MiB, prefill path %s\n",
+          info.arch, info.kv_bytes / 1073741824.0, page, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0,
           path >= 0 && path < 4 ? paths[path] : "?");
   return da_cuda_bench_fill_kv(*ctx, 42);
 }
@@ -53,7 +59,7 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
 static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mode, const char *label,
                      int32_t *pool_perm, int iters) {
   da_attn *at = calloc((size_t)s->B, sizeof(*at));
-  const int np = (s->L + 15) / 16;
+  const int np = (int)pages_of(s->L);
   for (int b = 0; b < s->B; b++)
     at[b] = (da_attn){.layer = 0, .q_pos = s->L - n_q, .n_q = n_q,
                       .pages = pool_perm + (size_t)b * np, .n_pages = np};
@@ -115,6 +121,13 @@ int da_bench_cuda(int argc, char **argv) {
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
     else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
     else if (strcmp(argv[i], "--contiguous") == 0) contiguous = 1;
+    else if (strcmp(argv[i], "--page") == 0 && i + 1 < argc) {
+      page = atoi(argv[++i]);
+      if (page < 8 || page > 256 || (page & (page - 1))) {
+        fprintf(stderr, "bench cuda: --page wants a power of two in [8, 256]\n");
+        return 2;
+      }
+    }
     else if (strcmp(argv[i], "--split") == 0 && i + 1 < argc) {
       /* The fixed split size S of the timed cases (default DA_DEFAULT_SPLIT_TOKENS). */
       split = atoi(argv[++i]);
@@ -143,9 +156,9 @@ int da_bench_cuda(int argc, char **argv) {
     const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
     if (rv != 0) return rv;
-    int32_t *perm = shuffled((max_tokens + 15) / 16, contiguous ? 0 : 1);
+    int32_t *perm = shuffled(pages_of(max_tokens), contiguous ? 0 : 1);
     if (contiguous)
-      for (int64_t i = 0; i < (max_tokens + 15) / 16; i++) perm[i] = (int32_t)i;
+      for (int64_t i = 0; i < pages_of(max_tokens); i++) perm[i] = (int32_t)i;
     double ta, tc;
     for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
       for (size_t li = 0; li < sizeof(Ls) / sizeof(Ls[0]); li++) {
@@ -178,7 +191,7 @@ int da_bench_cuda(int argc, char **argv) {
       const size_t staging = (size_t)tokens * s->hq * s->d * 2 + (64u << 20);
       rv = open_ctx(&ctx, s->hq, s->hkv, s->d, tokens, staging);
       if (rv != 0) return rv;
-      int32_t *perm = shuffled((tokens + 15) / 16, 2);
+      int32_t *perm = shuffled(pages_of(tokens), 2);
       rv = time_case(ctx, s, s->L, split, DA_SPLIT_AUTO, "fixedS", perm, 10);
       free(perm);
       da_cuda_backend_ops.destroy(ctx);
