@@ -253,7 +253,21 @@ DETATTN_API void detattn_close(detattn_client *c) {
   nng_close(c->sock);
   pthread_mutex_lock(&c->mu);
   while (c->inflight) pthread_cond_wait(&c->idle, &c->mu);
+  detattn_call *live = c->live;
+  c->live = NULL;
   pthread_mutex_unlock(&c->mu);
+  /* Calls started and not waited for outlive the client: each ends CANCELLED when waited
+   * for, its outputs not delivered (a reply that came in may point into the arena, which
+   * is unmapped below) and nothing of the client touched. */
+  for (detattn_call *k = live, *next; k; k = next) {
+    next = k->lnext;
+    k->lprev = k->lnext = NULL;
+    if (k->cu_ev || k->cu_bufs) da_cuda_call_end(c, k, DETATTN_CANCELLED);
+    pthread_mutex_lock(&k->mu);
+    k->orphaned = 1;
+    k->client = NULL;
+    pthread_mutex_unlock(&k->mu);
+  }
   pthread_cond_destroy(&c->idle);
   pthread_mutex_destroy(&c->mu);
   pthread_mutex_destroy(&c->plane_mu);
@@ -342,6 +356,21 @@ static void unlink_call(detattn_client *c, detattn_call *k) {
   if (k->next) k->next->prev = k->prev;
   k->prev = k->next = NULL;
   if (!c->inflight) pthread_cond_broadcast(&c->idle);
+}
+
+/* The live list (under c->mu): every call from a successful start until da_call_free. */
+static void link_live(detattn_client *c, detattn_call *k) {
+  k->lprev = NULL;
+  k->lnext = c->live;
+  if (c->live) c->live->lprev = k;
+  c->live = k;
+}
+
+static void unlink_live(detattn_client *c, detattn_call *k) {
+  if (k->lprev) k->lprev->lnext = k->lnext;
+  else c->live = k->lnext;
+  if (k->lnext) k->lnext->lprev = k->lprev;
+  k->lprev = k->lnext = NULL;
 }
 
 /* Runs on an nng thread. Unlinks the call before signalling the waiter: once the waiter
@@ -462,6 +491,9 @@ int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, size_t r
   if (pthread_cond_init(&k->cv, NULL) != 0) goto fail_cv;
   if (reply_max > 0 && ring_start(c, k, msg, reply_max)) {
     nng_msg_free(msg);
+    pthread_mutex_lock(&c->mu);
+    link_live(c, k);
+    pthread_mutex_unlock(&c->mu);
     *out = k;
     return DETATTN_OK;
   }
@@ -485,6 +517,7 @@ int da_call_start(detattn_client *c, nng_msg *msg, uint64_t id, int op, size_t r
   k->next = c->inflight;
   if (c->inflight) c->inflight->prev = k;
   c->inflight = k;
+  link_live(c, k);
   nng_aio_set_timeout(k->aio, remaining_ms(k));
   nng_aio_set_msg(k->aio, msg);
   nng_ctx_send(k->ctx, k->aio);
@@ -533,6 +566,11 @@ int da_call_transport_wait(detattn_call *k, nng_msg **reply) {
 
 void da_call_free(detattn_call *k) {
   if (!k) return;
+  if (k->client) {
+    pthread_mutex_lock(&k->client->mu);
+    unlink_live(k->client, k);
+    pthread_mutex_unlock(&k->client->mu);
+  }
   if (k->client && (k->cu_ev || k->cu_bufs)) da_cuda_call_end(k->client, k, DETATTN_CANCELLED);
   if (k->ring) {
     if (!k->ring_waited) da_ring_abandon(k->ring, k->ring_slot);

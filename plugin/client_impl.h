@@ -177,6 +177,8 @@ struct detattn_call {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   detattn_call *prev, *next; /* the client's in-flight list, under client->mu */
+  detattn_call *lprev, *lnext; /* the client's live calls (started, not yet freed), under client->mu */
+  int orphaned; /* under mu: the client was closed first; the call ends CANCELLED, client NULL */
   /* Forward only: the model the request was checked against and where outputs go. */
   detattn_model model;
   int want_lse;
@@ -206,6 +208,7 @@ struct detattn_client {
   pthread_mutex_t mu;
   pthread_cond_t idle;      /* signalled when the in-flight list becomes empty */
   detattn_call *inflight;   /* calls between start and completion */
+  detattn_call *live;       /* calls between start and free (wait): detattn_close orphans them */
   int closing;
   int have_info;            /* the cached Hello, dropped with the connection */
   detattn_server_info info;

@@ -839,7 +839,12 @@ DETATTN_API int detattn_call_wait(detattn_call *k) {
   int st;
 
   if (!k) return da_err(DETATTN_INVALID_ARGUMENT, "call_wait: call is NULL");
-  if ((st = finish_response(k, &x.r, &x.b)) == DETATTN_OK) {
+  pthread_mutex_lock(&k->mu);
+  const int orphaned = k->orphaned;
+  pthread_mutex_unlock(&k->mu);
+  if (orphaned)
+    st = da_err(DETATTN_CANCELLED, "call cancelled: the client was closed before the call was waited for");
+  else if ((st = finish_response(k, &x.r, &x.b)) == DETATTN_OK) {
     st = deliver_forward(k, x.r);
     reply_free(&x);
   }

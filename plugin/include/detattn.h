@@ -202,7 +202,10 @@ DETATTN_API const char *detattn_data_plane_name(detattn_data_plane p);
 DETATTN_API void *detattn_arena_alloc(detattn_client *c, size_t bytes);
 DETATTN_API void detattn_arena_free(detattn_client *c, void *p);
 /* Closes the connection: the daemon closes every sequence this client opened.
- * Outstanding calls finish with DETATTN_CANCELLED or DETATTN_UNAVAILABLE. NULL is a no-op. */
+ * Outstanding calls finish with DETATTN_CANCELLED or DETATTN_UNAVAILABLE: every call started
+ * and not yet passed to detattn_call_wait, answered or not, ends DETATTN_CANCELLED with its
+ * outputs unwritten (detattn_call_wait still frees it, after close as well; not at the same
+ * time as close). NULL is a no-op. */
 DETATTN_API void detattn_close(detattn_client *c);
 /* Per-call timeout in milliseconds (default 60000; <= 0 waits forever). */
 DETATTN_API void detattn_set_timeout(detattn_client *c, int ms);

@@ -154,6 +154,50 @@ START_TEST(tensors_in_the_arena_travel_by_reference_with_the_same_bits) {
 }
 END_TEST
 
+/* A call answered but not yet waited for when its client closes: detattn_call_wait after
+ * detattn_close returns CANCELLED and writes nothing. Before, it copied the outputs out of
+ * the unmapped arena (shm: a crash) and freed arena blocks through the freed client. On
+ * both planes: the later call on the same sequence runs after it, so its reply is in. */
+START_TEST(a_call_answered_but_not_waited_for_ends_cancelled_after_close) {
+  enum { N = 96 };
+  da_rng r;
+  da_rng_seed(&r, seed);
+  uint16_t *q = malloc(N * QROW), *kv = malloc(N * KVROW), *o = malloc(N * QROW), *o1 = malloc(QROW);
+  uint16_t *poison = malloc(N * QROW);
+  float *lse = malloc(N * HQ * 4), *lse1 = malloc(HQ * 4);
+  da_test_poison(DA_BF16, poison, N * QROW / 2);
+  da_rng_fill(&r, DA_BF16, q, N * QROW / 2, 1.0);
+  da_rng_fill(&r, DA_BF16, kv, N * KVROW / 2, 1.0);
+  static const detattn_data_plane planes[] = {DETATTN_PLANE_SHM, DETATTN_PLANE_COPY};
+  for (int i = 0; i < 2; i++) {
+    detattn_client *c = connect_plane(planes[i]);
+    uint64_t seq;
+    ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+    da_test_poison(DA_BF16, o, N * QROW / 2);
+    memset(lse, 0xff, N * HQ * 4);
+    detattn_seq_io a = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = kv, .v = kv, .o = o, .lse = lse};
+    detattn_call *k;
+    ck_assert_int_eq(detattn_forward_start(c, 0, &a, 1, &k), DETATTN_OK);
+    detattn_seq_io b = {.seq = seq, .pos = N, .n_tokens = 1, .q = q, .k = kv, .v = kv, .o = o1, .lse = lse1};
+    int st = detattn_forward(c, 0, &b, 1);
+    ck_assert_msg(st == DETATTN_OK, "plane %d: the later forward: %s: %s", planes[i], detattn_status_name(st),
+                  detattn_errmsg());
+    detattn_close(c);
+    st = detattn_call_wait(k);
+    ck_assert_msg(st == DETATTN_CANCELLED, "plane %d: waited after close: %s: %s", planes[i],
+                  detattn_status_name(st), detattn_errmsg());
+    ck_assert_msg(memcmp(o, poison, N * QROW) == 0, "plane %d: outputs written after close", planes[i]);
+  }
+  free(q);
+  free(kv);
+  free(o);
+  free(o1);
+  free(poison);
+  free(lse);
+  free(lse1);
+}
+END_TEST
+
 /* ---- hostile and broken clients, with raw requests ---- */
 
 /* Hands fd over for arena id; the daemon's status byte (DETATTN_UNAVAILABLE: no answer). */
@@ -437,6 +481,7 @@ static Suite *plane_suite(void) {
   tcase_set_timeout(t, 60);
   tcase_add_test(t, verify_over_shm_matches_the_copy_pass_bitwise);
   tcase_add_test(t, tensors_in_the_arena_travel_by_reference_with_the_same_bits);
+  tcase_add_test(t, a_call_answered_but_not_waited_for_ends_cancelled_after_close);
   tcase_add_test(t, bad_references_and_arenas_get_their_codes_and_write_nothing);
   tcase_add_test(t, a_client_killed_or_unmapping_mid_call_leaves_nothing_behind);
   tcase_add_test(t, shm_is_refused_over_tcp_and_auto_falls_back_to_copy);
