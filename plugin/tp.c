@@ -32,6 +32,7 @@ struct detattn_tp {
   uint64_t *ids;  /* [cap][n]: each rank's sequence id */
   uint32_t *free_stack;
   size_t cap, n_free;
+  detattn_tp_call *live; /* under mu: calls started and not yet waited for (tp_close orphans them) */
 };
 
 typedef struct tp_rank_call {
@@ -44,7 +45,10 @@ typedef struct tp_rank_call {
 } tp_rank_call;
 
 struct detattn_tp_call {
-  detattn_tp *tp;
+  detattn_tp *tp; /* NULL once orphaned: the group was closed before the call was waited for */
+  size_t n_ranks;
+  int linked, orphaned;
+  detattn_tp_call *lprev, *lnext; /* tp->live, under tp->mu */
   size_t n_items;
   detattn_seq_io *user; /* the caller's items (outputs, token counts) */
   uint64_t *tp_ids;
@@ -83,6 +87,18 @@ static int same_numerics(const detattn_server_info *a, const detattn_server_info
 
 DETATTN_API void detattn_tp_close(detattn_tp *tp) {
   if (!tp) return;
+  /* Calls not yet waited for outlive the group: detattn_tp_call_wait then returns CANCELLED
+   * and touches neither the group nor the ranks' arenas (unmapped with their clients). */
+  pthread_mutex_lock(&tp->mu);
+  for (detattn_tp_call *k = tp->live, *next; k; k = next) {
+    next = k->lnext;
+    k->lprev = k->lnext = NULL;
+    k->linked = 0;
+    k->orphaned = 1;
+    k->tp = NULL;
+  }
+  tp->live = NULL;
+  pthread_mutex_unlock(&tp->mu);
   for (size_t r = 0; r < tp->n; r++) detattn_close(tp->c[r]);
   pthread_mutex_destroy(&tp->mu);
   free(tp->c);
@@ -352,10 +368,17 @@ DETATTN_API int detattn_tp_seq_close(detattn_tp *tp, uint64_t seq) {
 
 static void call_free(detattn_tp_call *k) {
   if (!k) return;
-  for (size_t r = 0; k->rank && r < k->tp->n; r++) {
+  if (k->tp && k->linked) {
+    pthread_mutex_lock(&k->tp->mu);
+    if (k->lprev) k->lprev->lnext = k->lnext;
+    else k->tp->live = k->lnext;
+    if (k->lnext) k->lnext->lprev = k->lprev;
+    pthread_mutex_unlock(&k->tp->mu);
+  }
+  for (size_t r = 0; k->rank && r < k->n_ranks; r++) {
     tp_rank_call *rc = &k->rank[r];
-    if (rc->in_arena) detattn_arena_free(k->tp->c[r], rc->block);
-    else free(rc->block);
+    if (!rc->in_arena) free(rc->block);
+    else if (k->tp) detattn_arena_free(k->tp->c[r], rc->block); /* orphaned: went with the arena */
     free(rc->ios);
   }
   free(k->rank);
@@ -427,6 +450,14 @@ static void gather(detattn_tp_call *k, size_t r) {
  * others did not, the sequences are marked broken. */
 static int finish(detattn_tp_call *k) {
   detattn_tp *tp = k->tp;
+  if (k->orphaned) {
+    /* Every rank's call was orphaned by its client's close too: each ends CANCELLED. */
+    for (size_t r = 0; r < k->n_started; r++) {
+      detattn_call_wait(k->rank[r].call);
+      k->rank[r].call = NULL;
+    }
+    return da_err(DETATTN_CANCELLED, "tp_forward: cancelled: the group was closed before the call was waited for");
+  }
   size_t ok = 0, failed = 0, first = 0;
   for (size_t r = 0; r < k->n_started; r++) {
     tp_rank_call *rc = &k->rank[r];
@@ -466,11 +497,12 @@ DETATTN_API int detattn_tp_forward_start(detattn_tp *tp, uint32_t layer, detattn
   if (!k || !rank_ids || !(k->user = malloc(n * sizeof *items)) || !(k->tp_ids = malloc(n * sizeof *k->tp_ids)) ||
       !(k->rank = calloc(tp->n, sizeof *k->rank))) {
     free(rank_ids);
-    if (k) k->tp = tp;
+    if (k) k->tp = tp, k->n_ranks = k->rank ? tp->n : 0;
     call_free(k);
     return da_err(DETATTN_RESOURCE_EXHAUSTED, "tp_forward: out of memory for %zu items", n);
   }
   k->tp = tp;
+  k->n_ranks = tp->n;
   k->n_items = n;
   memcpy(k->user, items, n * sizeof *items);
   for (size_t i = 0; i < n; i++) {
@@ -504,6 +536,12 @@ DETATTN_API int detattn_tp_forward_start(detattn_tp *tp, uint32_t layer, detattn
     k->n_started = r + 1;
   }
   free(rank_ids);
+  pthread_mutex_lock(&tp->mu);
+  k->linked = 1;
+  k->lnext = tp->live;
+  if (tp->live) tp->live->lprev = k;
+  tp->live = k;
+  pthread_mutex_unlock(&tp->mu);
   *out = k;
   return DETATTN_OK;
 

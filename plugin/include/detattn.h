@@ -300,7 +300,9 @@ typedef struct detattn_tp_call detattn_tp_call;
  * setting) when the ranks do not form one model. */
 DETATTN_API int detattn_tp_connect(detattn_tp **out, const char *const *urls, size_t n_ranks,
                                    const detattn_connect_opts *opts);
-/* Closes every rank's connection (each daemon closes this client's sequences). NULL: no-op. */
+/* Closes every rank's connection (each daemon closes this client's sequences). Calls not yet
+ * passed to detattn_tp_call_wait end DETATTN_CANCELLED with their outputs unwritten, as with
+ * detattn_close. NULL: no-op. */
 DETATTN_API void detattn_tp_close(detattn_tp *tp);
 /* The whole layer: rank 0's info with the heads summed over ranks, and the smallest
  * capacity and limits of any rank. */

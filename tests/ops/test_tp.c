@@ -256,6 +256,44 @@ START_TEST(test_errors) {
 }
 END_TEST
 
+/* A TP call answered on every rank but not waited for when the group closes: waiting for it
+ * afterwards gives CANCELLED and writes nothing (it read the freed group and the ranks'
+ * unmapped arenas before). The later Forward on the same sequence runs after it. */
+START_TEST(test_close_orphans_calls) {
+  ck_assert(start(&ranks[0], 0, 4, 1, "4096") == 0);
+  ck_assert(start(&ranks[1], 1, 4, 1, "4096") == 0);
+  const char *urls[] = {ranks[0].url, ranks[1].url};
+  detattn_tp *tp;
+  ck_assert_int_eq(detattn_tp_connect(&tp, urls, 2, NULL), DETATTN_OK);
+  uint64_t seq;
+  ck_assert_int_eq(detattn_tp_seq_open(tp, &seq), DETATTN_OK);
+  enum { N = 64 };
+  size_t qn = (size_t)N * 8 * head_dim, kn = (size_t)N * 2 * head_dim;
+  uint16_t *q = malloc(qn * 2), *k = malloc(kn * 2), *v = malloc(kn * 2), *o = malloc(qn * 2), *o1 = malloc(qn * 2);
+  da_rng r;
+  da_rng_seed(&r, da_test_seed(78));
+  da_rng_fill(&r, DA_BF16, q, qn, 1.0);
+  da_rng_fill(&r, DA_BF16, k, kn, 1.0);
+  da_rng_fill(&r, DA_BF16, v, kn, 1.0);
+  memset(o, 0xa5, qn * 2);
+  detattn_seq_io a = {.seq = seq, .pos = 0, .n_tokens = N, .q = q, .k = k, .v = v, .o = o};
+  detattn_tp_call *call;
+  ck_assert_int_eq(detattn_tp_forward_start(tp, 0, &a, 1, &call), DETATTN_OK);
+  detattn_seq_io b = {.seq = seq, .pos = N, .n_tokens = 1, .q = q, .k = k, .v = v, .o = o1};
+  int st = detattn_tp_forward(tp, 0, &b, 1);
+  ck_assert_msg(st == DETATTN_OK, "the later forward: %s: %s", detattn_status_name(st), detattn_errmsg());
+  detattn_tp_close(tp);
+  st = detattn_tp_call_wait(call);
+  ck_assert_msg(st == DETATTN_CANCELLED, "waited after close: %s: %s", detattn_status_name(st), detattn_errmsg());
+  for (size_t i = 0; i < qn * 2; i++) ck_assert_msg(((uint8_t *)o)[i] == 0xa5, "output byte %zu written after close", i);
+  free(q);
+  free(k);
+  free(v);
+  free(o);
+  free(o1);
+}
+END_TEST
+
 /* With DETATTN_TP_BACKEND=cuda: 77 (skip) when a CUDA daemon cannot start for want of a
  * device; any other start failure is a failure. */
 static int cuda_skip(void) {
@@ -284,7 +322,10 @@ int main(void) {
   struct {
     const char *name;
     const TTest *test;
-  } cases[] = {{"bitwise_2way", test_bitwise_2way}, {"bitwise_uneven", test_bitwise_uneven}, {"errors", test_errors}};
+  } cases[] = {{"bitwise_2way", test_bitwise_2way},
+               {"bitwise_uneven", test_bitwise_uneven},
+               {"errors", test_errors},
+               {"close_orphans", test_close_orphans_calls}};
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     TCase *tc = tcase_create(cases[i].name);
     tcase_add_checked_fixture(tc, NULL, teardown);
