@@ -68,10 +68,11 @@ int da_nng_pipe_fd(uint32_t pipe) {
   nng_sockaddr sa;
   capturing = 1;
   captured = -1;
-  if (nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_PID, &pid) != 0 || captured < 0) {
+  int ok = nng_pipe_get_uint64(p, NNG_OPT_IPC_PEER_PID, &pid) == 0 && captured >= 0; /* ipc: SO_PEERCRED */
+  if (!ok) {
     captured = -1;
-    if (nng_pipe_get_addr(p, NNG_OPT_REMADDR, &sa) != 0) captured = -1;
+    ok = nng_pipe_get_addr(p, NNG_OPT_REMADDR, &sa) == 0 && captured >= 0; /* tcp, tls: getpeername */
   }
   capturing = 0;
-  return captured;
+  return ok ? captured : -1;
 }

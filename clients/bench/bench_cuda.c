@@ -49,7 +49,8 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
   static const char *paths[] = {"mma.sync (attn.cu)", "wgmma-serial (prefill_sm90.cu)",
                                 "wgmma-pipelined (prefill_sm90.cu)", "wgmma-pingpong (prefill_sm90.cu)"};
   const int path = da_cuda_prefill_path(*ctx);
-  fprintf(stderr, "bench cuda: %s, KV %.1f GiB in pages of %d tokens, acc %.0f MiB, staging %.0f MiB, prefill path %s\n",
+  fprintf(stderr,
+          "bench cuda: %s, KV %.1f GiB in pages of %d tokens, acc %.0f MiB, staging %.0f MiB, prefill path %s\n",
           info.arch, info.kv_bytes / 1073741824.0, page, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0,
           path >= 0 && path < 4 ? paths[path] : "?");
   return da_cuda_bench_fill_kv(*ctx, 42);

@@ -98,8 +98,9 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
  * of DA_CU_SM90_BLOCK_ROWS rows (the backend plans them so); the last n_split_items (decode
  * blocks of at most 16 rows) are left to da_cuda_attn, or the backend passes 0 and the
  * decode blocks run here too (only their rows' MMAs count). Same per-row arithmetic; equal
- * bits because wgmma and mma.sync give equal fp32 bits (tests/cuda/test_mma_bits.cu). variant: how the consumer warpgroups schedule their
- * MMAs (same bits in all): DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
+ * bits because wgmma and mma.sync give equal fp32 bits (tests/cuda/test_mma_bits.cu).
+ * variant: how the consumer warpgroups schedule their MMAs (same bits in all):
+ * DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
  * DA_CU_SM90_PIPELINED (the next tile's S and this tile's P.V run under the softmax),
  * DA_CU_SM90_PINGPONG (pipelined, and the warpgroups take turns issuing MMAs). A
  * persistent grid (one CTA per SM walking the items) unless DA_CU_SM90_PER_ITEM is or'ed in. */

@@ -285,7 +285,9 @@ START_TEST(test_close_orphans_calls) {
   detattn_tp_close(tp);
   st = detattn_tp_call_wait(call);
   ck_assert_msg(st == DETATTN_CANCELLED, "waited after close: %s: %s", detattn_status_name(st), detattn_errmsg());
-  for (size_t i = 0; i < qn * 2; i++) ck_assert_msg(((uint8_t *)o)[i] == 0xa5, "output byte %zu written after close", i);
+  size_t i = 0;
+  while (i < qn * 2 && ((uint8_t *)o)[i] == 0xa5) i++;
+  ck_assert_msg(i == qn * 2, "output byte %zu written after close", i);
   free(q);
   free(k);
   free(v);
