@@ -95,9 +95,10 @@ __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_at
 /*
  * SPLIT = false: 4 warps, each owns 16 rows of the 64-row block and every key and column.
  * SPLIT = true (blocks of at most 16 rows: decode): NW = 8 warps share the 16 rows; warp w
- * computes S for keys [8w, 8w + 8) of each tile and P.V for columns [w D/8, (w+1) D/8),
- * exchanging row maxima, per-8-key sums and P through shared memory. Both run the same
- * per-row arithmetic (numerics.cuh), so a row gives the same bits either way.
+ * computes S for keys [8w, 8w + 8) of each tile and P.V for columns [w D/8, (w+1) D/8);
+ * the scores go through shared memory so that every warp holds the whole tile and runs the
+ * tile update itself. Both run the same per-row arithmetic (numerics.cuh) on the same
+ * fragment layout, so a row gives the same bits either way.
  */
 template <int D, bool BF16, bool SPLIT>
 __global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : (D == 64 ? 3 : (D == 128 ? 2 : 1)))
@@ -109,7 +110,8 @@ attn_kernel(const da_cu_args a) {
   constexpr int CH = D / 8;             /* 16-byte chunks per row */
   constexpr int TILE_B = BN * D * 2;
   constexpr int QROWS = SPLIT ? 16 : BM;
-  constexpr int XCH_B = SPLIT ? 4096 : 0; /* exchange buffers */
+  constexpr int XCH_B = SPLIT ? NW * 32 * 16 : 0; /* the score exchange (4096 bytes) */
+  static_assert(!SPLIT || XCH_B == 4096, "smem_bytes reserves 4096 exchange bytes");
   constexpr bool QREG = D <= 128;       /* Q fragments stay in registers */
   const int nst = a.stages;             /* 2 or 3 K/V stages */
 #if __CUDA_ARCH__ >= 900
@@ -120,9 +122,7 @@ attn_kernel(const da_cu_args a) {
 #endif
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char *qs = smem;
-  float *x_max = reinterpret_cast<float *>(qs + QROWS * D * 2); /* [NW][16] */
-  float *x_sum = x_max + NW * 16;                               /* [NW][16] */
-  uint32_t *x_p = reinterpret_cast<uint32_t *>(x_sum + NW * 16); /* [NW][32][2] */
+  float4 *x_s = reinterpret_cast<float4 *>(qs + QROWS * D * 2); /* SPLIT: [NW][32 lanes] scores */
   unsigned char *ks = qs + QROWS * D * 2 + XCH_B; /* [nst][BN][D] */
   unsigned char *vs = ks + nst * TILE_B;          /* [nst][BN][D] */
   float *fold = reinterpret_cast<float *>(vs + nst * TILE_B); /* [NW][NV][4][32], in-row only */
@@ -258,44 +258,31 @@ attn_kernel(const da_cu_args a) {
           mma16816<BF16>(s[0], qa, kf[2 * h], kf[2 * h + 1]);
         }
       }
+      /* This warp's 8 keys of the tile to every warp: each then holds the whole tile's
+       * scores in the prefill rows' layout and runs the same tile update on them (the update
+       * is redundant across the 8 warps, the memory-bound decode's spare issue slots). */
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const row_info &r = ri[e >> 1];
         const int kp = kt * BN + warp * 8 + qd * 2 + (e & 1);
         const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
-        s[0][e] = ok ? da_score(s[0][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2) : -INFINITY;
+        s[0][e] = ok ? da_score_y(s[0][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
       }
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const float mx = da_quad_max<1>(s, r);
-        if (qd == 0) x_max[warp * 16 + g + 8 * r] = mx;
-      }
+      x_s[warp * 32 + lane] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
       __syncthreads();
+      float t[NTS][4];
+#pragma unroll
+      for (int n = 0; n < NTS; n++) {
+        const float4 v = x_s[n * 32 + lane];
+        t[n][0] = v.x, t[n][1] = v.y, t[n][2] = v.z, t[n][3] = v.w;
+      }
       float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; r++) {
-        const int row = g + 8 * r;
-        float mx = x_max[row];
-#pragma unroll
-        for (int w = 1; w < NW; w++) mx = fmaxf(mx, x_max[w * 16 + row]);
         float m_use;
-        alpha[r] = da_rescale(st, r, mx, m_use);
-        da_exp_row<1>(s, r, m_use);
-        const float ps = da_ntile_sum<1>(s, 0, r);
-        if (qd == 0) x_sum[warp * 16 + row] = ps;
-      }
-      uint2 pw;
-      pw.x = da_pack2<BF16>(s[0][0], s[0][1]);
-      pw.y = da_pack2<BF16>(s[0][2], s[0][3]);
-      reinterpret_cast<uint2 *>(x_p)[warp * 32 + lane] = pw;
-      __syncthreads();
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        const int row = g + 8 * r;
-        float parts[BN / 8];
-#pragma unroll
-        for (int w = 0; w < NW; w++) parts[w] = x_sum[w * 16 + row];
-        da_l_update(st, r, alpha[r], parts);
+        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(t, r), a.exp_c, m_use);
+        da_exp_row<NTS>(t, r, a.exp_c, m_use);
+        da_l_update<NTS>(st, r, alpha[r], t);
       }
 #pragma unroll
       for (int n = 0; n < NV; n++) {
@@ -306,9 +293,11 @@ attn_kernel(const da_cu_args a) {
       }
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
-        const uint2 p0 = reinterpret_cast<const uint2 *>(x_p)[(2 * kc) * 32 + lane];
-        const uint2 p1 = reinterpret_cast<const uint2 *>(x_p)[(2 * kc + 1) * 32 + lane];
-        const uint32_t pa[4] = {p0.x, p0.y, p1.x, p1.y};
+        uint32_t pa[4];
+        pa[0] = da_pack2<BF16>(t[2 * kc][0], t[2 * kc][1]);
+        pa[1] = da_pack2<BF16>(t[2 * kc][2], t[2 * kc][3]);
+        pa[2] = da_pack2<BF16>(t[2 * kc + 1][0], t[2 * kc + 1][1]);
+        pa[3] = da_pack2<BF16>(t[2 * kc + 1][2], t[2 * kc + 1][3]);
         if constexpr (NV == 1) {
           uint32_t vf[2];
           ldsm_x2_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dcol0));
@@ -343,13 +332,12 @@ attn_kernel(const da_cu_args a) {
           mma16816<BF16>(s[2 * np + 1], qa, kf[2], kf[3]);
         }
       }
-      if (full) {
+      if (full && a.softcap) {
 #pragma unroll
         for (int n = 0; n < NTS; n++)
 #pragma unroll
-          for (int e = 0; e < 4; e++)
-            s[n][e] = da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2);
-      } else {
+          for (int e = 0; e < 4; e++) s[n][e] = da_score_y(s[n][e], 1, a.cap_in, a.cap_out_log2);
+      } else if (!full) {
 #pragma unroll
         for (int n = 0; n < NTS; n++) {
 #pragma unroll
@@ -357,8 +345,7 @@ attn_kernel(const da_cu_args a) {
             const row_info &r = ri[e >> 1];
             const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
             const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
-            s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2)
-                         : -INFINITY;
+            s[n][e] = ok ? da_score_y(s[n][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
           }
         }
       }
@@ -366,12 +353,9 @@ attn_kernel(const da_cu_args a) {
 #pragma unroll
       for (int r = 0; r < 2; r++) {
         float m_use;
-        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
-        da_exp_row<NTS>(s, r, m_use);
-        float parts[NTS];
-#pragma unroll
-        for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
-        da_l_update(st, r, alpha[r], parts);
+        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), a.exp_c, m_use);
+        da_exp_row<NTS>(s, r, a.exp_c, m_use);
+        da_l_update<NTS>(st, r, alpha[r], s);
       }
 #pragma unroll
       for (int n = 0; n < NV; n++) {
@@ -400,6 +384,7 @@ attn_kernel(const da_cu_args a) {
       /* Split j is complete for every row of the block: finalize and fold or write. */
 #pragma unroll
       for (int r = 0; r < 2; r++) {
+        const float l_row = da_l_row(st, r); /* every lane: a quad sum */
         const row_info &w = ri[r];
         if (!w.valid || j < w.jf || j > w.jl) continue;
         const int how = partial ? DA_END_WRITE : j == w.jf ? DA_END_FIRST : DA_END_MERGE;
@@ -409,7 +394,7 @@ attn_kernel(const da_cu_args a) {
           slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
           part = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
         }
-        const float lse = da_split_end<NV>(acc, r, st.m[r], st.l[r], how, part, myfold, fold_lse[r]);
+        const float lse = da_split_end<NV>(acc, r, st.m[r], l_row, how, part, myfold, fold_lse[r]);
         if (partial) {
           if (qd == 0 && lse_writer) a.acc_lse[slot] = lse;
         } else {

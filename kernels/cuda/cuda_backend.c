@@ -30,8 +30,10 @@
 #include "cuda_kernels.h"
 
 /* 3: blocks of more than 16 rows run on prefill_sm90.cu by default where it can run (same
- * bits as attn.cu, tests/cuda/test_wgmma.c; a different kernel, so a new version). */
-#define KERNEL_VERSION 3u
+ * bits as attn.cu, tests/cuda/test_wgmma.c; a different kernel, so a new version).
+ * 4: the tile update of numerics.cuh v4 (scale inside the exponent's FMA, per-thread row
+ * sums, lazy running max): fewer instructions per tile, other bits. */
+#define KERNEL_VERSION 4u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
 #define ALIGN 256
@@ -723,6 +725,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
   g->cap_out_log2 = g->softcap ? (float)((double)m->softcap * 1.4426950408889634) : 0.0f;
+  g->exp_c = g->softcap ? 1.0f : g->scale_log2; /* numerics.cuh: p = exp2(fma(y, c, -m)) */
 }
 
 /* The attention launches: attn.cu for every item, or with sm90_prefill prefill_sm90.cu for

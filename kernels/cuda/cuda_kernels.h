@@ -83,6 +83,7 @@ typedef struct da_cu_args {
   float scale_log2;   /* scale * log2(e); used without softcap */
   float cap_in;       /* scale / softcap */
   float cap_out_log2; /* softcap * log2(e) */
+  float exp_c;        /* the scores' factor in the exponent: scale_log2, or 1 with softcap */
   int softcap;        /* non-zero: score = softcap * tanh(scale * qk / softcap) */
   int has_inrow;      /* some items fold splits in-row (needs the fold buffer) */
   int stages;         /* set by the attention launcher: K/V pipeline depth */

@@ -43,17 +43,22 @@ __device__ __forceinline__ uint32_t da_pack2(float lo, float hi) {
   }
 }
 
-/* Score in the log2 domain from the raw fp32 dot product q.k. */
-__device__ __forceinline__ float da_score(float raw, int softcap, float scale_log2, float cap_in,
-                                          float cap_out_log2) {
+/*
+ * Scores (kernel version 4). A score enters the tile update as y with a factor c: without a
+ * softcap y is the raw fp32 dot product q.k and c = scale * log2 e (da_score_c), so the scale
+ * is applied inside the exponent's FMA (one rounding, FA3's form); with a softcap y is the
+ * capped log2-domain score and c = 1 (fma(y, 1, -m) == y - m exactly).
+ */
+__device__ __forceinline__ float da_score_y(float raw, int softcap, float cap_in, float cap_out_log2) {
   if (softcap) return __fmul_rn(tanhf(__fmul_rn(raw, cap_in)), cap_out_log2);
-  return __fmul_rn(raw, scale_log2);
+  return raw;
 }
 
 /* Online softmax state of the two rows a thread holds in an m16n8 accumulator fragment. */
 struct da_row_state {
-  float m[2]; /* running max (log2 domain), -inf before the first key */
-  float l[2]; /* running sum of exp2(x - m) */
+  float m[2]; /* running max (log2 domain, lazily raised: da_rescale), -inf before the first key */
+  float l[2]; /* THIS thread's part of the running sum of exp2(y c - m): its keys 2 qd, 2 qd + 1
+               * of every n8 fragment; da_l_row sums the quad at the split end */
 };
 
 __device__ __forceinline__ void da_state_reset(da_row_state &st) {
@@ -62,20 +67,26 @@ __device__ __forceinline__ void da_state_reset(da_row_state &st) {
 }
 
 /*
- * The online-softmax tile update, in pieces so that a tile's keys may be computed by one
- * warp (prefill rows) or by eight warps sharing 16 rows (decode rows) with the same bits.
- * x[nt][e] holds scores of this thread's rows in m16n8 accumulator fragments: row g for e in
- * {0, 1}, row g + 8 for e in {2, 3}; -inf where masked. For each row r of a tile:
- *   mx = max over the tile (da_quad_max per warp; max is exact, so any grouping agrees),
- *   alpha = da_rescale(state, r, mx, m_use), x = da_exp_row (p = exp2(x - m_use)),
- *   g[k] = da_ntile_sum over keys [8k, 8k + 8) (the thread's pair, then the quad butterfly
- *   xor 1, xor 2), l = alpha * l + the left fold of g0 .. g7 (da_l_update),
+ * The online-softmax tile update (kernel version 4). x[nt][e] holds y of this thread's
+ * rows in m16n8 accumulator fragments over the tile's 64 keys (nt = 0 .. 7): row g for e in
+ * {0, 1}, row g + 8 for e in {2, 3}; -inf where masked. Every path (prefill rows, decode rows,
+ * wgmma or mma.sync) holds whole tiles per warp in this layout, so each thread performs the
+ * same operations on the same values. For each row r of a tile:
+ *   mx = max of y over the tile (da_quad_max; max is exact, so any grouping agrees),
+ *   da_rescale: mt = mx c; the running max moves to mt only when mt - m > DA_LAZY_MAX (or m is
+ *   -inf), else it stays (FA's lazy rescaling: p = exp2(y c - m) <= 2^8, so P and the sums stay
+ *   in range, and alpha is exactly 1 on most tiles, where the caller's acc *= alpha is skipped);
+ *   da_exp_row: p = exp2(fma(y, c, -m_use));
+ *   da_l_update: l = alpha l + the thread's tile sum (pairs, then a balanced tree over nt),
  *   and the caller scales its output accumulator by alpha before adding p.V.
- * A fully masked tile leaves (m, l) bit-identical with alpha = 1 (or 0 with l = 0 before
- * any key) and p = 0.
+ * No shuffles but the max's two: the row's l is the quad's sum, taken once per split
+ * (da_l_row). A fully masked tile leaves (m, l) bit-identical with alpha = 1 (or 0 with l = 0
+ * before any key) and p = 0.
  */
+#define DA_LAZY_MAX 8.0f
+
 /* A balanced tree (4 dependent FMNMX at NT 8, not 9): max is exact, so the grouping does not
- * show, and an all-NaN tile's NaN is ignored by da_rescale's fmaxf as -inf would be. */
+ * show, and an all-NaN tile's NaN is ignored as -inf would be (a NaN mt never moves m). */
 template <int NT>
 __device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
   float v[NT];
@@ -91,8 +102,10 @@ __device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
   return mx;
 }
 
-__device__ __forceinline__ float da_rescale(da_row_state &st, int r, float tile_max, float &m_use) {
-  const float m_new = fmaxf(st.m[r], tile_max);
+__device__ __forceinline__ float da_rescale(da_row_state &st, int r, float tile_max, float c, float &m_use) {
+  const float mt = __fmul_rn(tile_max, c);
+  /* -inf - -inf and NaN compare false: m stays. */
+  const float m_new = __fsub_rn(mt, st.m[r]) > DA_LAZY_MAX ? mt : st.m[r];
   m_use = m_new == -INFINITY ? 0.0f : m_new;
   const float alpha = da_ex2(__fsub_rn(st.m[r], m_use));
   st.m[r] = m_new;
@@ -100,28 +113,33 @@ __device__ __forceinline__ float da_rescale(da_row_state &st, int r, float tile_
 }
 
 template <int NT>
-__device__ __forceinline__ void da_exp_row(float (&x)[NT][4], int r, float m_use) {
+__device__ __forceinline__ void da_exp_row(float (&x)[NT][4], int r, float c, float m_use) {
+  const float nm = -m_use;
 #pragma unroll
   for (int nt = 0; nt < NT; nt++) {
-    x[nt][2 * r] = da_ex2(__fsub_rn(x[nt][2 * r], m_use));
-    x[nt][2 * r + 1] = da_ex2(__fsub_rn(x[nt][2 * r + 1], m_use));
+    x[nt][2 * r] = da_ex2(__fmaf_rn(x[nt][2 * r], c, nm));
+    x[nt][2 * r + 1] = da_ex2(__fmaf_rn(x[nt][2 * r + 1], c, nm));
   }
 }
 
+/* l = alpha l + T, T = the balanced tree over nt of the pairs (p[nt][2 r] + p[nt][2 r + 1]). */
 template <int NT>
-__device__ __forceinline__ float da_ntile_sum(const float (&x)[NT][4], int n, int r) {
-  float s = __fadd_rn(x[n][2 * r], x[n][2 * r + 1]);
-  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 1));
-  s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, 2));
-  return s;
+__device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&x)[NT][4]) {
+  float v[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) v[nt] = __fadd_rn(x[nt][2 * r], x[nt][2 * r + 1]);
+#pragma unroll
+  for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+    for (int i = 0; i + w < NT; i += 2 * w) v[i] = __fadd_rn(v[i], v[i + w]);
+  st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), v[0]);
 }
 
-/* l = alpha * l + (((g0 + g1) + g2) + ... + g7), g_k the sum over keys [8k, 8k + 8). */
-__device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&g)[8]) {
-  float sum = g[0];
-#pragma unroll
-  for (int k = 1; k < 8; k++) sum = __fadd_rn(sum, g[k]);
-  st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), sum);
+/* The row's l at a split end: the quad's parts, (l0 + l1) + (l2 + l3) in every lane (a + b ==
+ * b + a exactly). Every lane of the warp calls it. */
+__device__ __forceinline__ float da_l_row(const da_row_state &st, int r) {
+  float l = __fadd_rn(st.l[r], __shfl_xor_sync(0xffffffffu, st.l[r], 1));
+  return __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
 }
 
 /*

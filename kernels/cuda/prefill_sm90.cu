@@ -8,7 +8,7 @@
  *     S = Q K^T       wgmma m64n64k16 (Q from registers), k-order over head_dim ascending in
  *                     steps of 16, one fp32 accumulator, the first step with scale-d = 0
  *                     (attn.cu: mma.sync m16n8k16 into a zeroed accumulator, same order)
- *     mask, score, da_quad_max, da_rescale, da_exp_row, da_ntile_sum, da_l_update
+ *     mask, score, da_quad_max, da_rescale, da_exp_row, da_l_update (numerics.cuh, v4)
  *     acc = alpha * acc; P rounded to the input dtype (registers)
  *     acc += P V      wgmma m64nDk16 (P from registers), k-order over keys ascending in 16s
  *   split end: da_finalize_o / da_finalize_lse, then the in-row left fold (da_merge_*) in
@@ -343,22 +343,17 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     if constexpr (D == 128) wg_chain_pv_n128<BF16>(acc, p, db);
     else wg_chain_pv_n64<BF16>(acc, p, db);
   };
-  /* Scores and mask of tile kt in s, then the online-softmax update: s holds p = exp2(x - m),
-   * alpha the rescale factors of the two rows. The softcap test is hoisted out of the loops. */
+  /* Scores and mask of tile kt in s, then the online-softmax update: s holds p = exp2(y c - m),
+   * alpha the rescale factors of the two rows. Without a softcap y is the raw score, so a
+   * tile inside every row's key range needs no pass over s before the max. */
   auto softmax = [&](float (&s)[NTS][4], int kt, float (&alpha)[2]) {
-    /* A tile inside every row's key range needs no mask. */
     const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
-    if (full && !a.softcap) {
+    if (full && a.softcap) {
 #pragma unroll
       for (int n = 0; n < NTS; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) s[n][e] = __fmul_rn(s[n][e], a.scale_log2);
-    } else if (full) {
-#pragma unroll
-      for (int n = 0; n < NTS; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) s[n][e] = da_score(s[n][e], 1, a.scale_log2, a.cap_in, a.cap_out_log2);
-    } else {
+        for (int e = 0; e < 4; e++) s[n][e] = da_score_y(s[n][e], 1, a.cap_in, a.cap_out_log2);
+    } else if (!full) {
 #pragma unroll
       for (int n = 0; n < NTS; n++) {
 #pragma unroll
@@ -366,19 +361,16 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
           const row_info &r = ri[e >> 1];
           const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
           const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
-          s[n][e] = ok ? da_score(s[n][e], a.softcap, a.scale_log2, a.cap_in, a.cap_out_log2) : -INFINITY;
+          s[n][e] = ok ? da_score_y(s[n][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
         }
       }
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
       float m_use;
-      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), m_use);
-      da_exp_row<NTS>(s, r, m_use);
-      float parts[NTS];
-#pragma unroll
-      for (int n = 0; n < NTS; n++) parts[n] = da_ntile_sum<NTS>(s, n, r);
-      da_l_update(st, r, alpha[r], parts);
+      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), a.exp_c, m_use);
+      da_exp_row<NTS>(s, r, a.exp_c, m_use);
+      da_l_update<NTS>(st, r, alpha[r], s);
     }
   };
   /* acc *= alpha, per half of the warp's rows (g, then g + 8): skipped where every alpha of
@@ -408,6 +400,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   auto finalize = [&](int j, const da_row_state &fs) {
 #pragma unroll
     for (int r = 0; r < 2; r++) {
+      const float l_row = da_l_row(fs, r); /* every lane: a quad sum */
       const row_info &w = ri[r];
       if (!w.valid || j < w.jf || j > w.jl) continue;
       const int how = partial ? DA_END_WRITE : j == w.jf ? DA_END_FIRST : DA_END_MERGE;
@@ -417,7 +410,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV, cta<D>::END_CHUNK>(acc, r, fs.m[r], fs.l[r], how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV, cta<D>::END_CHUNK>(acc, r, fs.m[r], l_row, how, part, fold, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {
