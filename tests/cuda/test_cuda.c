@@ -424,6 +424,9 @@ static const struct golden {
     /* H100 2026-11-24; the same before and after the fast row division (v3 bits kept). */
     {3, "sm_90", {0xd6d9c2bee9b96391ull, 0x4d5d2815819c40feull, 0xcb50b9bde1276523ull, 0xfd61064e2ed50f20ull,
                   0x45376d661000de72ull}},
+    /* H100 2026-11-25: numerics.cuh v4 (scale in the exponent's FMA, per-thread sums, lazy max). */
+    {4, "sm_90", {0x8014c3e94e3ea16eull, 0x2dfb1441ad95ee96ull, 0xa701f7e92d7c0903ull, 0x9e8d8ea61e59c325ull,
+                  0x20fd9920204ce0d4ull}},
 };
 _Static_assert(sizeof(goldens[0].digest) / sizeof(goldens[0].digest[0]) == N_CFGS, "a digest per cfg");
 
