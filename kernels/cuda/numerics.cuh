@@ -85,18 +85,26 @@ __device__ __forceinline__ void da_state_reset(da_row_state &st) {
  */
 #define DA_LAZY_MAX 8.0f
 
-/* A balanced tree (4 dependent FMNMX at NT 8, not 9): max is exact, so the grouping does not
- * show, and an all-NaN tile's NaN is ignored as -inf would be (a NaN mt never moves m). */
-template <int NT>
-__device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
+/* op over a row's values of the thread: the pairs op(x[nt][2 r], x[nt][2 r + 1]), then a
+ * balanced tree over nt (3 levels at NT 8). */
+template <int NT, typename Op>
+__device__ __forceinline__ float da_row_tree(const float (&x)[NT][4], int r, Op op) {
   float v[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; nt++) v[nt] = fmaxf(x[nt][2 * r], x[nt][2 * r + 1]);
+  for (int nt = 0; nt < NT; nt++) v[nt] = op(x[nt][2 * r], x[nt][2 * r + 1]);
 #pragma unroll
   for (int w = 1; w < NT; w *= 2)
 #pragma unroll
-    for (int i = 0; i + w < NT; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
-  float mx = v[0];
+    for (int i = 0; i + w < NT; i += 2 * w) v[i] = op(v[i], v[i + w]);
+  return v[0];
+}
+
+/* The row's max over the quad (4 dependent FMNMX at NT 8, not 9): max is exact, so the
+ * grouping does not show, and an all-NaN tile's NaN is ignored as -inf would be (a NaN mt
+ * never moves m). */
+template <int NT>
+__device__ __forceinline__ float da_quad_max(const float (&x)[NT][4], int r) {
+  float mx = da_row_tree<NT>(x, r, [](float a, float b) { return fmaxf(a, b); });
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
   return mx;
@@ -122,17 +130,11 @@ __device__ __forceinline__ void da_exp_row(float (&x)[NT][4], int r, float c, fl
   }
 }
 
-/* l = alpha l + T, T = the balanced tree over nt of the pairs (p[nt][2 r] + p[nt][2 r + 1]). */
+/* l = alpha l + T, T = da_row_tree of the sums p[nt][2 r] + p[nt][2 r + 1]. */
 template <int NT>
 __device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha, const float (&x)[NT][4]) {
-  float v[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; nt++) v[nt] = __fadd_rn(x[nt][2 * r], x[nt][2 * r + 1]);
-#pragma unroll
-  for (int w = 1; w < NT; w *= 2)
-#pragma unroll
-    for (int i = 0; i + w < NT; i += 2 * w) v[i] = __fadd_rn(v[i], v[i + w]);
-  st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), v[0]);
+  const float t = da_row_tree<NT>(x, r, [](float a, float b) { return __fadd_rn(a, b); });
+  st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), t);
 }
 
 /* The row's l at a split end: the quad's parts, (l0 + l1) + (l2 + l3) in every lane (a + b ==
