@@ -241,7 +241,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  * others' MMAs. All run the same number of slots (tiles they skip included), so the turns
  * pair up; this form keeps the per-segment schedule, drained at split ends.
  */
-template <int D, bool BF16, bool PIPE>
+template <int D, bool BF16, bool PIPE, bool CAP>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
                                         unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
@@ -345,24 +345,24 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     else wg_chain_pv_n64<BF16>(acc, p, db);
   };
   /* Scores and mask of tile kt in s, then the online-softmax update: s holds p = exp2(y c - m),
-   * alpha the rescale factors of the two rows. Without a softcap y is the raw score, so a
-   * tile inside every row's key range needs no pass over s before the max. */
+   * alpha the rescale factors of the two rows. Without a softcap (CAP, a template argument:
+   * as a runtime test it cost 32 register moves a tile) y is the raw score, so a tile inside
+   * every row's key range needs no pass over s before the max. Masked keys are -inf. */
   auto softmax = [&](float (&s)[NTS][4], int kt, float (&alpha)[2]) {
-    const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
-    if (full && a.softcap) {
+    if constexpr (CAP) {
 #pragma unroll
       for (int n = 0; n < NTS; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) s[n][e] = da_score_y(s[n][e], 1, a.cap_in, a.cap_out_log2);
-    } else if (!full) {
+    }
+    if (!(kt * BN >= w0_max && kt * BN + BN - 1 <= p_min)) {
 #pragma unroll
       for (int n = 0; n < NTS; n++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           const row_info &r = ri[e >> 1];
           const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
-          const bool ok = r.valid && kp >= r.w0 && kp <= r.p;
-          s[n][e] = ok ? da_score_y(s[n][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
+          s[n][e] = r.valid && kp >= r.w0 && kp <= r.p ? s[n][e] : -INFINITY;
         }
       }
     }
@@ -616,7 +616,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
  * one CTA per SM, or one item per CTA when gridDim.x == n). The ring of K/V stages, its
  * barriers' phases and the ping-pong turns carry over from item to item, so the producer
  * loads the next item's first tiles while the consumers finish this one. */
-template <int D, bool BF16, bool PIPE>
+template <int D, bool BF16, bool PIPE, bool CAP>
 __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
   using L = layout<D>;
@@ -650,7 +650,7 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
                              pingpong, rp, turn_ph);
   }
 }
@@ -671,7 +671,7 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, bool BF16, bool PIPE>
+template <int D, bool BF16, bool PIPE, bool CAP>
 cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
@@ -695,12 +695,27 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStrea
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
+    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16, PIPE><<<grid, cta<D>::NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
+  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
   return cudaGetLastError();
+}
+
+template <bool CAP>
+int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, cudaStream_t stream) {
+  switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
+  case 64 * 4 + 3: return (int)launch<64, true, true, CAP>(a, n, grid, pp, stream);
+  case 64 * 4 + 2: return (int)launch<64, true, false, CAP>(a, n, grid, 0, stream);
+  case 64 * 4 + 1: return (int)launch<64, false, true, CAP>(a, n, grid, pp, stream);
+  case 64 * 4: return (int)launch<64, false, false, CAP>(a, n, grid, 0, stream);
+  case 128 * 4 + 3: return (int)launch<128, true, true, CAP>(a, n, grid, pp, stream);
+  case 128 * 4 + 2: return (int)launch<128, true, false, CAP>(a, n, grid, 0, stream);
+  case 128 * 4 + 1: return (int)launch<128, false, true, CAP>(a, n, grid, pp, stream);
+  case 128 * 4: return (int)launch<128, false, false, CAP>(a, n, grid, 0, stream);
+  }
+  return (int)cudaErrorInvalidValue;
 }
 
 } // namespace
@@ -713,15 +728,7 @@ extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream
   const bool pipe = v != DA_CU_SM90_SERIAL;
   const int pp = v == DA_CU_SM90_PINGPONG;
   const int grid = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0 || a->n_sm > n ? n : a->n_sm;
-  switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
-  case 64 * 4 + 3: return (int)launch<64, true, true>(a, n, grid, pp, stream);
-  case 64 * 4 + 2: return (int)launch<64, true, false>(a, n, grid, 0, stream);
-  case 64 * 4 + 1: return (int)launch<64, false, true>(a, n, grid, pp, stream);
-  case 64 * 4: return (int)launch<64, false, false>(a, n, grid, 0, stream);
-  case 128 * 4 + 3: return (int)launch<128, true, true>(a, n, grid, pp, stream);
-  case 128 * 4 + 2: return (int)launch<128, true, false>(a, n, grid, 0, stream);
-  case 128 * 4 + 1: return (int)launch<128, false, true>(a, n, grid, pp, stream);
-  case 128 * 4: return (int)launch<128, false, false>(a, n, grid, 0, stream);
-  }
-  return (int)cudaErrorInvalidValue;
+  if (a->softcap) return dispatch<true>(a, n, grid, pipe, pp, stream);
+  return dispatch<false>(a, n, grid, pipe, pp, stream);
 }
+
