@@ -180,7 +180,9 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 3; i++) {
     const char *args[] = {"--layers", "4", "--q-heads", heads[i][0], "--kv-heads", heads[i][1], "--head-dim", "128",
                           "--page-tokens", "16", "--kv-tokens", kv[i > 0], "--split-tokens", "512", "--tile-tokens",
-                          "64", "--backend", backend, "--device", dev[i], "--max-seqs", "256", NULL};
+                          "64", "--backend", backend, "--device", dev[i], "--max-seqs", "256",
+                          /* the bench is each daemon's only client: its quota is the whole cache */
+                          "--client-max-kv-tokens", kv[i > 0], NULL};
     if (da_daemon_start(&d[i], DETATTND_PATH, args) != 0) {
       fprintf(stderr, "bench_tp: daemon %d did not start\n", i);
       for (int j = 0; j < i; j++) da_daemon_stop(&d[j]);
