@@ -138,7 +138,7 @@ int da_bench_cuda(int argc, char **argv) {
       }
     }
     else if (strcmp(argv[i], "--one-decode") == 0 && i + 2 < argc) {
-      /* One decode case (for profilers): B L. */
+      /* One decode case, any B and L (profilers, lengths off the table): B L. */
       one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
       do_prefill = 0;
     } else if (strcmp(argv[i], "--one-prefill") == 0 && i + 2 < argc) {
@@ -155,18 +155,22 @@ int da_bench_cuda(int argc, char **argv) {
     static const int Bs[] = {1, 8, 32, 64, 128};
     static const int Ls[] = {1024, 4096, 16384, 65536};
     const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
+    if (one_b > 0 && (one_l < 1 || (int64_t)one_b * one_l > max_tokens)) {
+      fprintf(stderr, "bench cuda: --one-decode wants B * L in [1, %lld]\n", (long long)max_tokens);
+      return 2;
+    }
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
     if (rv != 0) return rv;
     int32_t *perm = shuffled(pages_of(max_tokens), contiguous ? 0 : 1);
     if (contiguous)
       for (int64_t i = 0; i < pages_of(max_tokens); i++) perm[i] = (int32_t)i;
     double ta, tc;
-    for (size_t bi = 0; bi < sizeof(Bs) / sizeof(Bs[0]); bi++) {
-      for (size_t li = 0; li < sizeof(Ls) / sizeof(Ls[0]); li++) {
-        shape s = {"decode", Bs[bi], Ls[li], 32, 8, 128};
+    const size_t nb = one_b > 0 ? 1 : sizeof(Bs) / sizeof(Bs[0]), nl = one_b > 0 ? 1 : sizeof(Ls) / sizeof(Ls[0]);
+    for (size_t bi = 0; bi < nb; bi++) {
+      for (size_t li = 0; li < nl; li++) {
+        shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
-        if (one_b > 0 && (s.B != one_b || s.L != one_l)) continue;
         rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20);
         if (rv != 0) goto out;
         if (bi == 0 && li == 0) da_cuda_bench_time(ctx, 0, 1, &ta, &tc, &n_sm);

@@ -28,6 +28,7 @@
 #include "backend.h"
 #include "cuda_backend.h"
 #include "cuda_kernels.h"
+#include "items.h"
 
 /* 3: blocks of more than 16 rows run on prefill_sm90.cu by default where it can run (same
  * bits as attn.cu, tests/cuda/test_wgmma.c; a different kernel, so a new version).
@@ -478,21 +479,6 @@ static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* The kv-head-independent block ranges of an attention: blocks of c->brows rows; returns the
- * number of blocks and, for block bi, its split range [j0, j1). */
-static void block_splits(const cuda_ctx *c, const da_attn *a, int S, int64_t row0, int *j0, int *j1) {
-  const da_model *m = &c->cfg.model;
-  const int G = m->n_q_heads / m->n_kv_heads;
-  const int64_t n_rows = (int64_t)a->n_q * G;
-  int64_t last = row0 + c->brows;
-  if (last > n_rows) last = n_rows;
-  const int64_t p_min = a->q_pos + row0 / G, p_max = a->q_pos + (last - 1) / G;
-  int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
-  if (w0 < 0) w0 = 0;
-  *j0 = (int)(w0 / S);
-  *j1 = (int)(p_max / S) + 1;
-}
-
 static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   const da_model *m = &c->cfg.model;
   const int G = m->n_q_heads / m->n_kv_heads, P = c->cfg.page_tokens;
@@ -503,7 +489,6 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* In-row when it already gives about two resident CTAs per SM: measured faster than
    * partials there (long CTAs, no combine); both give the same bits. */
   const int64_t busy = 3 * (int64_t)c->n_sm / 2;
-  int64_t split_work = 0; /* (block, kv head, split) triples run as partials */
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -523,12 +508,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
-    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += c->brows) {
-      int j0, j1;
-      block_splits(c, a, S, r0, &j0, &j1);
-      if (part) split_work += (int64_t)m->n_kv_heads * (j1 - j0);
-      else pl->n_items += m->n_kv_heads;
-    }
+    if (!part) pl->n_items += ceil_div((int64_t)a->n_q * G, c->brows) * m->n_kv_heads;
     if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
     if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
     pl->n_q_el += rows * m->head_dim;
@@ -544,24 +524,14 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     }
   }
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
-   * on its own (the bits do not depend on per): as few CTA start-ups as fill whole waves
-   * of two resident CTAs per SM. */
-  const int64_t slots = 2 * (int64_t)c->n_sm;
-  int64_t best = INT64_MAX;
-  pl->per = 1;
-  for (int per = 1; per <= 64 && split_work > 0; per++) {
-    const int64_t cost = ceil_div(ceil_div(split_work, per), slots) * per;
-    if (cost <= best) best = cost, pl->per = per;
-  }
-  for (int i = 0; i < b->n_attns; i++) {
-    const da_attn *a = &b->attns[i];
-    if (!pl->partial[i]) continue;
-    for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += c->brows) {
-      int j0, j1;
-      block_splits(c, a, S, r0, &j0, &j1);
-      pl->n_items += (int64_t)m->n_kv_heads * ceil_div(j1 - j0, pl->per);
-    }
-  }
+   * on its own (the bits do not depend on per). A wave is the persistent grid's CTAs where
+   * prefill_sm90.cu runs every item (sm90_decode: one CTA per SM, items round-robin), else
+   * two resident CTAs per SM (attn.cu). */
+  const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
+  const int64_t slots = c->sm90_decode ? grid : 2 * (int64_t)c->n_sm;
+  int64_t n_part = 0;
+  pl->per = da_cu_partial_per(m, c->brows, S, DA_CU_TILE, b, pl->partial, slots, &n_part);
+  pl->n_items += n_part;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
     if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
@@ -623,7 +593,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         for (int64_t r0 = (ceil_div(n_rows, c->brows) - 1) * c->brows; r0 >= 0; r0 -= c->brows) {
           if ((n_rows - r0 <= 16) != small) continue;
           int j0, j1;
-          block_splits(c, a, S, r0, &j0, &j1);
+          da_cu_block_splits(&c->cfg.model, c->brows, S, a, r0, &j0, &j1);
           for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
             if (!pass) {
               its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
