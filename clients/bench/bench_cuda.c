@@ -140,6 +140,10 @@ int da_bench_cuda(int argc, char **argv) {
     else if (strcmp(argv[i], "--one-decode") == 0 && i + 2 < argc) {
       /* One decode case, any B and L (profilers, lengths off the table): B L. */
       one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
+      if (one_b < 1 || one_l < 1) {
+        fprintf(stderr, "bench cuda: --one-decode wants B >= 1 and L >= 1\n");
+        return 2;
+      }
       do_prefill = 0;
     } else if (strcmp(argv[i], "--one-prefill") == 0 && i + 2 < argc) {
       /* One causal prefill case of the 32/8-head d-128 model: B sequences of L tokens. */
@@ -155,8 +159,8 @@ int da_bench_cuda(int argc, char **argv) {
     static const int Bs[] = {1, 8, 32, 64, 128};
     static const int Ls[] = {1024, 4096, 16384, 65536};
     const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
-    if (one_b > 0 && (one_l < 1 || (int64_t)one_b * one_l > max_tokens)) {
-      fprintf(stderr, "bench cuda: --one-decode wants B * L in [1, %lld]\n", (long long)max_tokens);
+    if (one_b > 0 && (int64_t)one_b * one_l > max_tokens) {
+      fprintf(stderr, "bench cuda: --one-decode wants B * L <= %lld\n", (long long)max_tokens);
       return 2;
     }
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
