@@ -1,7 +1,7 @@
 /*
  * combine.cu — the deterministic combine of split partials: a row's splits (o_j fp32,
  * lse_j) from the accumulator pool are folded in ascending j, starting from its first
- * split, with the same da_merge_weights / da_merge_o as the in-row fold in attn.cu. One
+ * split, with the same da_merge_weights / da_merge_o as the in-row folds. One
  * split: the output is o_0 rounded, no merge applied.
  */
 #include <atomic>
@@ -75,7 +75,7 @@ template <int D, bool BF16>
 __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_args a) {
   constexpr int FOLD = shape<D>::FOLD, CH = shape<D>::CH, R = shape<D>::R;
   __shared__ __align__(128) float s_o[R][CH * D]; /* o_j of a chunk: [split][column] */
-  __shared__ float4 s_w[R][CH];                   /* weights of a chunk: a, b, s, y = RN(1/s) */
+  __shared__ float4 s_w[R][CH];                   /* a chunk's merges: a, b, s from the chain, then wa, wb */
   __shared__ uint64_t s_bar[3][R];                /* wfull, dfull, wempty */
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
       float4 *w = s_w[s];
       auto step = [&](int k) {
         const da_merge_w mw = da_merge_weights_chain(lse, cur[k]);
-        if (lead) w[k] = make_float4(mw.a, mw.b, mw.s.b, 0.0f);
+        if (lead) w[k] = make_float4(mw.a, mw.b, mw.s, 0.0f);
         lse = mw.lse;
       };
       if (m == CH) {
@@ -156,8 +156,13 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     const uint32_t ph = (c / R) & 1;
     float4 *w = s_w[s];
     mbar_wait(wfull + 8 * s, ph);
-    /* The reciprocals of s are not part of the chain: taken here, one split per thread. */
-    if (tid < m) w[tid].w = da_div_by(w[tid].z).y;
+    /* The element weights (a reciprocal each) are not part of the chain: taken here, one
+     * split per thread. */
+    if (tid < m) {
+      float4 q = w[tid];
+      da_merge_finish(q.x, q.y, q.z, q.x, q.y);
+      w[tid] = q;
+    }
     fold_sync<FOLD>();
     if (c > 0) {
       /* Every fold thread is past chunk c - 1: its slot takes chunk c - 1 + R. */
@@ -167,31 +172,15 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     }
     mbar_wait(dfull + 8 * s, ph);
     const float *x = s_o[s] + tid;
-    const float o_start = o; /* for the exact redo of this chunk */
-    da_range g = da_range_init();
     auto merge = [&](int k) {
       const float4 q = w[k];
-      da_merge_w mw;
-      mw.a = q.x, mw.b = q.y, mw.s = da_div_of(q.z, q.w), mw.lse = 0.0f;
-      o = da_merge_o(mw, o, x[k * D], g);
+      o = da_merge_o(q.x, q.y, o, x[k * D]);
     };
     if (m == CH) {
 #pragma unroll
       for (int k = 0; k < CH; k++) merge(k);
     } else {
       for (int k = 0; k < m; k++) merge(k);
-    }
-    if (!da_range_ok(g)) {
-      /* A quotient outside da_div_fast_ok (zeros, subnormals, inf, NaN, extremes): this
-       * thread redoes the chunk with __fdiv_rn, which gives the fast path's bits wherever
-       * that applies. Out of the loop, so the loop has no call in it. */
-      o = o_start;
-      for (int k = 0; k < m; k++) {
-        const float4 q = w[k];
-        da_merge_w mw;
-        mw.a = q.x, mw.b = q.y, mw.s = da_div_of(q.z, q.w), mw.lse = 0.0f;
-        o = da_merge_o_exact(mw, o, x[k * D]);
-      }
     }
   }
   uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + tid;

@@ -33,8 +33,10 @@
 /* 3: blocks of more than 16 rows run on prefill_sm90.cu by default where it can run (same
  * bits as attn.cu, tests/cuda/test_wgmma.c; a different kernel, so a new version).
  * 4: the tile update of numerics.cuh v4 (scale inside the exponent's FMA, per-thread row
- * sums, lazy running max): fewer instructions per tile, other bits. */
-#define KERNEL_VERSION 4u
+ * sums, lazy running max): fewer instructions per tile, other bits.
+ * 5: split ends and merges multiply by a per-row correctly rounded reciprocal instead of
+ *    dividing every element exactly (numerics.cuh v5). */
+#define KERNEL_VERSION 5u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
 #define ALIGN 256

@@ -3,7 +3,7 @@
  * transform, mask, online-softmax tile update, split finalize and the left-fold merge.
  * Every kernel (decode rows, prefill rows, in-row folds, the combine pass) calls these
  * functions and nothing else for that arithmetic, so every path performs the same
- * sequence of float operations. Rounding is explicit (__fmul_rn, __fadd_rn, __fdiv_rn,
+ * sequence of float operations. Rounding is explicit (__fmul_rn, __fadd_rn, __frcp_rn,
  * __fmaf_rn); exponentials and logarithms are the hardware ex2.approx.ftz / lg2.approx.ftz
  * instructions by explicit choice. Scores live in the log2 domain (multiplied by log2 e).
  * Compiled with --fmad=false and without --use_fast_math.
@@ -145,123 +145,58 @@ __device__ __forceinline__ float da_l_row(const da_row_state &st, int r) {
 }
 
 /*
- * Division by a row's divisor: the IEEE quotient RN(a / b), the bits of __fdiv_rn, in five
- * dependent FMA-pipe instructions once the row's y = RN(1/b) is known. q0 = a y is within
- * two ulps of a / b; one Markstein step (r = a - q b exact by FMA, q + r y) makes it faithful,
- * a second one correctly rounded (Markstein's theorem: y = RN(1/b), q faithful, no underflow
- * or overflow => RN(q + r y) = RN(a / b); a quotient is never a tie). That needs b and a in
- * the ranges da_div_by / da_div_fast_ok check (|a / b| and every remainder stay normal);
- * outside them (zeros, subnormals, inf, NaN, huge values) callers redo the row with
- * __fdiv_rn. Both give the same bits wherever both apply, so which one ran never shows:
- * tests/cuda/test_div.cu compares them on 2^28 quotients. Why: __fdiv_rn is a MUFU.RCP,
- * a range check and a branch per element, and the split finalize divides every output
- * element twice (acc / l, then the merge's / s).
+ * Split result and merge (kernel version 5). A row's divisions are by one value per row (l
+ * at the split end, s = a + b in the merge), so each is a correctly rounded reciprocal taken
+ * once per row (__frcp_rn) and one multiply per element: RN(x RN(1/b)), within 1.5 ulp of
+ * x / b, as ex2.approx stands for exp. Versions 3-4 divided every element exactly (five FMAs
+ * and a range check each, a redo with __fdiv_rn outside the range): two divisions per output
+ * element per split end were the bulk of a prefill split end (NOTES v5). No operand range
+ * is special here: zeros, infinities and NaN go through the same instructions on every path.
  */
-struct da_div {
-  float b, y; /* divisor, RN(1/b) */
-  bool ok;    /* b in [2^-32, 2^33) */
-};
 
-/* The divisor b with its y = RN(1/b) computed elsewhere (staged in shared memory). */
-__device__ __forceinline__ da_div da_div_of(float b, float y) {
-  da_div d;
-  d.b = b;
-  d.y = y;
-  d.ok = ((__float_as_uint(b) >> 23) & 0xffu) - (127u - 32u) <= 64u;
-  return d;
-}
-
-__device__ __forceinline__ da_div da_div_by(float b) { return da_div_of(b, __frcp_rn(b)); }
-
-/*
- * The numerators of a group of fast quotients, for one range check per group instead of one
- * per element: the smallest and largest magnitude (hi turns NaN with any NaN) and whether
- * some divisor was outside its range. da_range_ok: every quotient of the group was in the
- * fast range (|a| in [2^-90, 2^91), b in range), so each is RN(a / b).
- */
-struct da_range {
-  float lo, hi;
-  bool div_bad;
-};
-
-__device__ __forceinline__ da_range da_range_init() { return da_range{INFINITY, 0.0f, false}; }
-
-__device__ __forceinline__ float da_max_nan(float a, float b) {
-  float y;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-
-__device__ __forceinline__ void da_range_add(da_range &g, const da_div &d, float a) {
-  g.lo = fminf(g.lo, fabsf(a));
-  g.hi = da_max_nan(g.hi, fabsf(a));
-  g.div_bad |= !d.ok;
-}
-
-__device__ __forceinline__ bool da_range_ok(const da_range &g) {
-  return !g.div_bad && g.lo >= 0x1p-90f && g.hi < 0x1p91f;
-}
-
-/* One quotient's check (tests). */
-__device__ __forceinline__ bool da_div_fast_ok(const da_div &d, float a) {
-  da_range g = da_range_init();
-  da_range_add(g, d, a);
-  return da_range_ok(g);
-}
-
-__device__ __forceinline__ float da_div_fast(const da_div &d, float a) {
-  const float q0 = __fmul_rn(a, d.y);
-  const float r0 = __fmaf_rn(-q0, d.b, a);
-  const float q1 = __fmaf_rn(r0, d.y, q0);
-  const float r1 = __fmaf_rn(-q1, d.b, a);
-  return __fmaf_rn(r1, d.y, q1);
-}
-
-/* Split finalize: o_j = acc / l, lse_j = m + log2(l). Only for rows with l > 0.
- * da_finalize_o is the fast quotient; when its group's da_range is not da_range_ok the
- * group is redone with da_finalize_o_exact (same bits where both apply). */
-__device__ __forceinline__ float da_finalize_o(const da_div &l, float acc, da_range &g) {
-  da_range_add(g, l, acc);
-  return da_div_fast(l, acc);
-}
-__device__ __forceinline__ float da_finalize_o_exact(const da_div &l, float acc) { return __fdiv_rn(acc, l.b); }
+/* Split finalize: o_j = acc RN(1/l), lse_j = m + log2(l). Only for rows with l > 0. */
+__device__ __forceinline__ float da_recip(float b) { return __frcp_rn(b); }
+__device__ __forceinline__ float da_finalize_o(float rl, float acc) { return __fmul_rn(acc, rl); }
 __device__ __forceinline__ float da_finalize_lse(float m, float l) { return __fadd_rn(m, da_lg2(l)); }
 
-/* Left-fold merge (o, lse) <- merge((o, lse), (o_j, lse_j)): weights once per row, then
- * one da_merge_o per element (fast quotient, redo as for da_finalize_o). */
+/*
+ * Left-fold merge (o, lse) <- merge((o, lse), (o_j, lse_j)), once per row:
+ *   mx = max(lse, lse_j), a = exp2(lse - mx), b = exp2(lse_j - mx), s = a + b,
+ *   lse' = mx + log2(s), r = RN(1/s), wa = a r, wb = b r;
+ * then per element o' = fma(wa, o, wb o_j).
+ */
 struct da_merge_w {
-  float a, b, lse;
-  da_div s; /* a + b */
+  float a, b, s, lse; /* from the lse chain */
+  float wa, wb;       /* the element weights */
 };
 
-/* The weights without s's reciprocal (w.s.y unset: da_div_by(w.s.b) or da_div_of later),
- * for a serial lse chain that leaves the reciprocals to other threads. */
+/* The lse chain's part (no reciprocal), for a serial chain that leaves the weights to
+ * other threads (combine.cu): da_merge_finish completes it. */
 __device__ __forceinline__ da_merge_w da_merge_weights_chain(float lse, float lse_j) {
   da_merge_w w;
   const float mx = fmaxf(lse, lse_j);
   w.a = da_ex2(__fsub_rn(lse, mx));
   w.b = da_ex2(__fsub_rn(lse_j, mx));
-  w.s.b = __fadd_rn(w.a, w.b);
-  w.lse = __fadd_rn(mx, da_lg2(w.s.b));
+  w.s = __fadd_rn(w.a, w.b);
+  w.lse = __fadd_rn(mx, da_lg2(w.s));
+  w.wa = w.wb = 0.0f;
   return w;
+}
+
+__device__ __forceinline__ void da_merge_finish(float a, float b, float s, float &wa, float &wb) {
+  const float r = da_recip(s);
+  wa = __fmul_rn(a, r);
+  wb = __fmul_rn(b, r);
 }
 
 __device__ __forceinline__ da_merge_w da_merge_weights(float lse, float lse_j) {
   da_merge_w w = da_merge_weights_chain(lse, lse_j);
-  w.s = da_div_by(w.s.b);
+  da_merge_finish(w.a, w.b, w.s, w.wa, w.wb);
   return w;
 }
 
-__device__ __forceinline__ float da_merge_num(const da_merge_w &w, float o, float o_j) {
-  return __fmaf_rn(w.a, o, __fmul_rn(w.b, o_j));
-}
-__device__ __forceinline__ float da_merge_o(const da_merge_w &w, float o, float o_j, da_range &g) {
-  const float n = da_merge_num(w, o, o_j);
-  da_range_add(g, w.s, n);
-  return da_div_fast(w.s, n);
-}
-__device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, float o_j) {
-  return __fdiv_rn(da_merge_num(w, o, o_j), w.s.b);
+__device__ __forceinline__ float da_merge_o(float wa, float wb, float o, float o_j) {
+  return __fmaf_rn(wa, o, __fmul_rn(wb, o_j));
 }
 
 /*
@@ -270,64 +205,38 @@ __device__ __forceinline__ float da_merge_o_exact(const da_merge_w &w, float o, 
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
  *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
  *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
- * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE). CHUNK fragments at a time (4:
- * head_dim 256 on mma.sync does not spill; the wgmma consumers have room for more); a chunk whose da_range is not da_range_ok is redone with
- * __fdiv_rn (the same bits). A merge numerator computed from a wrong fast o_j only marks
- * the chunk for the redo, which recomputes both.
+ * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE).
  */
 enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
 
-template <int NV, int CHUNK = 4>
+template <int NV>
 __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, float m, float l, int how, float *part,
                                               float *fold, float fold_lse) {
-  constexpr int NC = NV < CHUNK ? NV : CHUNK;
   const float lse_j = da_finalize_lse(m, l);
-  const da_div dl = da_div_by(l);
-  da_merge_w mw{};
-  if (how == DA_END_MERGE) mw = da_merge_weights(fold_lse, lse_j);
+  const float rl = da_recip(l);
+  if (how == DA_END_WRITE) {
 #pragma unroll
-  for (int n0 = 0; n0 < NV; n0 += NC) {
-    da_range g = da_range_init();
-    float v[NC][2], f[NC][2];
-#pragma unroll
-    for (int n = 0; n < NC; n++) {
-      v[n][0] = da_finalize_o(dl, acc[n0 + n][2 * r], g);
-      v[n][1] = da_finalize_o(dl, acc[n0 + n][2 * r + 1], g);
-    }
-    if (how == DA_END_MERGE) {
-#pragma unroll
-      for (int n = 0; n < NC; n++) {
-        f[n][0] = fold[((n0 + n) * 4 + 2 * r) * 32];
-        f[n][1] = fold[((n0 + n) * 4 + 2 * r + 1) * 32];
-      }
-#pragma unroll
-      for (int n = 0; n < NC; n++) {
-        v[n][0] = da_merge_o(mw, f[n][0], v[n][0], g);
-        v[n][1] = da_merge_o(mw, f[n][1], v[n][1], g);
-      }
-    }
-    if (!da_range_ok(g)) {
-#pragma unroll
-      for (int n = 0; n < NC; n++) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-          v[n][e] = da_finalize_o_exact(dl, acc[n0 + n][2 * r + e]);
-          if (how == DA_END_MERGE) v[n][e] = da_merge_o_exact(mw, f[n][e], v[n][e]);
-        }
-      }
-    }
-    if (how == DA_END_WRITE) {
-#pragma unroll
-      for (int n = 0; n < NC; n++) *reinterpret_cast<float2 *>(part + (n0 + n) * 8) = make_float2(v[n][0], v[n][1]);
-    } else {
-#pragma unroll
-      for (int n = 0; n < NC; n++) {
-        fold[((n0 + n) * 4 + 2 * r) * 32] = v[n][0];
-        fold[((n0 + n) * 4 + 2 * r + 1) * 32] = v[n][1];
-      }
-    }
+    for (int n = 0; n < NV; n++)
+      *reinterpret_cast<float2 *>(part + n * 8) =
+          make_float2(da_finalize_o(rl, acc[n][2 * r]), da_finalize_o(rl, acc[n][2 * r + 1]));
+    return lse_j;
   }
-  return how == DA_END_MERGE ? mw.lse : lse_j;
+  if (how == DA_END_FIRST) {
+#pragma unroll
+    for (int n = 0; n < NV; n++)
+#pragma unroll
+      for (int e = 0; e < 2; e++) fold[(n * 4 + 2 * r + e) * 32] = da_finalize_o(rl, acc[n][2 * r + e]);
+    return lse_j;
+  }
+  const da_merge_w mw = da_merge_weights(fold_lse, lse_j);
+#pragma unroll
+  for (int n = 0; n < NV; n++)
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+      float *f = fold + (n * 4 + 2 * r + e) * 32;
+      *f = da_merge_o(mw.wa, mw.wb, *f, da_finalize_o(rl, acc[n][2 * r + e]));
+    }
+  return mw.lse;
 }
 
 /* Output lse in natural log from the log2-domain value. */

@@ -55,9 +55,6 @@ template <int D> struct cta {
    * 64K register file: 128 PREGS + 128 NCW CREGS <= 65536). */
   static constexpr int PREGS = NCW == 3 ? 32 : 40;
   static constexpr int CREGS = NCW == 3 ? 160 : 232;
-  /* Split-end fragments per range-check group (da_split_end's CHUNK): 8 spill at 160; 4 spill
-   * 16 bytes since kernel version 4 and are still 2-3 % faster than 2, which do not. */
-  static constexpr int END_CHUNK = NCW == 3 ? 4 : 8;
   static_assert(BM == DA_CU_SM90_BLOCK_ROWS(D), "rows per CTA");
   static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
 };
@@ -411,7 +408,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV, cta<D>::END_CHUNK>(acc, r, fs.m[r], l_row, how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV>(acc, r, fs.m[r], l_row, how, part, fold, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {
