@@ -611,6 +611,14 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       }
     }
   }
+  /* prefill_sm90.cu's persistent grid deals its items round-robin: order them so that each
+   * CTA gets an even share of key tiles (the order never changes a result; without the
+   * scratch memory for it the items stay in the order above). */
+  if (c->sm90_prefill && c->sm90_grid >= 0) {
+    const int64_t n_l = c->sm90_decode ? n_it : n_it - n_split;
+    const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
+    (void)da_cu_deal(m, c->brows, S, DA_CU_TILE, b->attns, its, n_l, grid < n_l ? grid : n_l);
+  }
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t end = (int64_t)a->q_pos + a->n_q, rows = (int64_t)a->n_q * m->n_q_heads;

@@ -22,6 +22,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include "item.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -43,13 +45,6 @@ typedef struct da_cu_attn {
   int32_t n_splits;  /* splits covering [0, q_pos + n_q) */
   int32_t pad_;
 } da_cu_attn;
-
-/* One CTA of the attention kernel: rows [row0, row0 + 64) (at most 16 for decode blocks)
- * of (attn, kv_head), splits [j0, j1). In-row items cover every split their rows touch and
- * fold them; partial items write each of their splits to its own accumulator slot. */
-typedef struct da_cu_item {
-  int32_t attn, kv_head, row0, j0, j1;
-} da_cu_item;
 
 /* One CTA of the combine kernel: row row0 of attn, linear over (t, q head). */
 typedef struct da_cu_citem {

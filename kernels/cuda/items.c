@@ -1,6 +1,9 @@
 /* items.c — work items of the CUDA backend (see items.h). */
 #include "items.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1) {
@@ -46,4 +49,61 @@ int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch
     if (cost <= best) best = cost, per_best = per, *n_items = n;
   }
   return per_best;
+}
+
+int64_t da_cu_item_tiles(const da_model *m, int brows, int S, int T, const da_attn *a, const da_cu_item *it) {
+  const int G = m->n_q_heads / m->n_kv_heads;
+  const int64_t n_rows = (int64_t)a->n_q * G;
+  int64_t last = it->row0 + (int64_t)brows;
+  if (last > n_rows) last = n_rows;
+  if (last <= it->row0) return 0;
+  const int64_t p_min = a->q_pos + it->row0 / G, p_max = a->q_pos + (last - 1) / G;
+  int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
+  if (w0 < 0) w0 = 0;
+  const int64_t tps = S / T;
+  int64_t kb = w0 / T, ke = p_max / T;
+  if (kb < it->j0 * tps) kb = it->j0 * tps;
+  if (ke > it->j1 * tps - 1) ke = it->j1 * tps - 1;
+  return ke >= kb ? ke - kb + 1 : 0;
+}
+
+/* A min-heap of CTAs by (work so far, index): the key packs both, load above the CTA's
+ * 20 bits (a grid has fewer than 2^20 CTAs and no CTA 2^43 key tiles). */
+static void heap_down(uint64_t *h, int64_t n, int64_t i) {
+  const uint64_t x = h[i];
+  for (;;) {
+    const int64_t l = 2 * i + 1;
+    if (l >= n) break;
+    const int64_t s = l + 1 < n && h[l + 1] < h[l] ? l + 1 : l;
+    if (h[s] >= x) break;
+    h[i] = h[s];
+    i = s;
+  }
+  h[i] = x;
+}
+
+int da_cu_deal(const da_model *m, int brows, int S, int T, const da_attn *attns, da_cu_item *items, int64_t n,
+               int64_t grid) {
+  if (grid <= 1 || n <= grid || grid >= (1 << 20)) return 0; /* nothing to balance (or too many CTAs to key) */
+  da_cu_item *out = malloc((size_t)n * sizeof(*out));
+  uint64_t *heap = malloc((size_t)grid * sizeof(*heap));
+  int64_t *taken = calloc((size_t)grid, sizeof(*taken));
+  int rv = -1;
+  if (out == NULL || heap == NULL || taken == NULL) goto out;
+  for (int64_t c = 0; c < grid; c++) heap[c] = (uint64_t)c;
+  int64_t live = grid; /* CTAs with a position free: the heap's size */
+  for (int64_t k = 0; k < n; k++) {
+    /* The root is the least loaded CTA with room (full ones leave the heap). */
+    const int64_t c = (int64_t)(heap[0] & 0xFFFFF);
+    out[c + taken[c] * grid] = items[k];
+    taken[c]++;
+    heap[0] += (uint64_t)(da_cu_item_tiles(m, brows, S, T, &attns[items[k].attn], &items[k]) + 1) << 20;
+    if (taken[c] == (n - c + grid - 1) / grid) heap[0] = heap[--live];
+    heap_down(heap, live, 0);
+  }
+  memcpy(items, out, (size_t)n * sizeof(*out));
+  rv = 0;
+out:
+  free(out), free(heap), free(taken);
+  return rv;
 }

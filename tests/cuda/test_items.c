@@ -7,6 +7,7 @@
 #include <check.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "items.h"
 #include "testutil.h"
@@ -120,11 +121,113 @@ START_TEST(items_are_counted_whole_per_block_and_only_for_partial_attentions) {
 }
 END_TEST
 
+/* In-row prefill items in the backend's build order: per attention, blocks last row first,
+ * kv heads inner, every split of the block. */
+static int64_t build_prefill(const da_model *m, const da_attn *attns, int n_attns, da_cu_item *its) {
+  const int G = m->n_q_heads / m->n_kv_heads;
+  int64_t n = 0;
+  for (int i = 0; i < n_attns; i++) {
+    const int64_t rows = (int64_t)attns[i].n_q * G;
+    for (int64_t r0 = (rows + BROWS - 1) / BROWS * BROWS - BROWS; r0 >= 0; r0 -= BROWS) {
+      int j0, j1;
+      da_cu_block_splits(m, BROWS, S, &attns[i], r0, &j0, &j1);
+      for (int h = 0; h < m->n_kv_heads; h++) its[n++] = (da_cu_item){i, h, (int32_t)r0, j0, j1};
+    }
+  }
+  return n;
+}
+
+/* The longest CTA's key tiles (one more per item) when CTA c runs positions c, c + grid, ... */
+static int64_t dealt_longest(const da_model *m, const da_attn *attns, const da_cu_item *its, int64_t n, int64_t grid) {
+  int64_t share[SLOTS] = {0}, best = 0;
+  for (int64_t k = 0; k < n; k++) {
+    int64_t *sh = &share[k % grid];
+    *sh += da_cu_item_tiles(m, BROWS, S, T, &attns[its[k].attn], &its[k]) + 1;
+    if (*sh > best) best = *sh;
+  }
+  return best;
+}
+
+static int item_cmp(const void *x, const void *y) {
+  const da_cu_item *a = x, *b = y;
+  const int32_t ka[5] = {a->attn, a->kv_head, a->row0, a->j0, a->j1}, kb[5] = {b->attn, b->kv_head, b->row0, b->j0, b->j1};
+  for (int i = 0; i < 5; i++)
+    if (ka[i] != kb[i]) return ka[i] < kb[i] ? -1 : 1;
+  return 0;
+}
+
+START_TEST(item_tiles_count_the_keys_a_block_sees) {
+  da_model m = model;
+  const da_attn a = {.q_pos = 1000, .n_q = 300}; /* positions 1000 .. 1299 */
+  /* Rows 0-127: tokens 1000-1031 (G 4); keys 0-1031: tiles 0-16, splits 0-2 of 512. */
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 0, 3}), 17);
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 2}), 8);  /* split 1 only */
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 1280, 0, 3}), 0); /* no rows */
+  m.window = 100; /* rows 0-127 see keys 901-1031: tiles 14-16 */
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 3}), 3);
+}
+END_TEST
+
+START_TEST(the_deal_is_a_permutation_that_evens_out_the_ctas) {
+  /* Causal prefills of several shapes: heads 32/8 and 8/8, one to eight sequences. */
+  static const struct {
+    int hq, hkv, B, L;
+  } cases[] = {{32, 8, 8, 4096}, {32, 8, 2, 16384}, {32, 8, 1, 4096}, {8, 8, 4, 2048}, {8, 8, 1, 8192}, {32, 8, 3, 3000},
+               {8, 8, 1, 1000}, {32, 8, 5, 777}};
+  int improved = 0;
+  for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+    da_model m = model;
+    m.n_q_heads = cases[k].hq, m.n_kv_heads = cases[k].hkv;
+    da_attn attns[8];
+    for (int i = 0; i < cases[k].B; i++) attns[i] = (da_attn){.q_pos = 0, .n_q = cases[k].L};
+    const int64_t cap = (int64_t)cases[k].B * cases[k].L * (cases[k].hq / cases[k].hkv) / BROWS * cases[k].hkv + 64;
+    da_cu_item *its = malloc((size_t)cap * sizeof(*its)), *before = malloc((size_t)cap * sizeof(*its));
+    ck_assert(its && before);
+    const int64_t n = build_prefill(&m, attns, cases[k].B, its);
+    ck_assert_int_le(n, cap);
+    memcpy(before, its, (size_t)n * sizeof(*its));
+    int64_t total = 0, longest_item = 0;
+    for (int64_t i = 0; i < n; i++) {
+      const int64_t t = da_cu_item_tiles(&m, BROWS, S, T, &attns[its[i].attn], &its[i]) + 1;
+      total += t;
+      if (t > longest_item) longest_item = t;
+    }
+    const int64_t rr = dealt_longest(&m, attns, its, n, SLOTS);
+    ck_assert_int_eq(da_cu_deal(&m, BROWS, S, T, attns, its, n, SLOTS), 0);
+    const int64_t dealt = dealt_longest(&m, attns, its, n, SLOTS);
+    /* No CTA gets more than 15 % over the even share (or the longest item, if longer). */
+    const double bound = (double)total / SLOTS > (double)longest_item ? (double)total / SLOTS : (double)longest_item;
+    if ((double)dealt > 1.15 * bound)
+      ck_abort_msg("case %zu: longest CTA %lld tiles, even share %.0f", k, (long long)dealt, bound);
+    ck_assert_int_le(dealt, rr);
+    improved += dealt < rr;
+    /* Every item once. */
+    qsort(before, (size_t)n, sizeof(*before), item_cmp);
+    qsort(its, (size_t)n, sizeof(*its), item_cmp);
+    ck_assert(memcmp(before, its, (size_t)n * sizeof(*its)) == 0);
+    free(its), free(before);
+  }
+  ck_assert_int_ge(improved, 5); /* round-robin in build order is uneven on most of them */
+  /* As many items as CTAs or fewer: left as they are. */
+  const da_attn one = {.q_pos = 0, .n_q = 32}; /* one block: 8 items */
+  da_cu_item few[16];
+  const int64_t n = build_prefill(&model, &one, 1, few);
+  da_cu_item copy[16];
+  memcpy(copy, few, sizeof(few));
+  ck_assert_int_eq(da_cu_deal(&model, BROWS, S, T, &one, few, n, SLOTS), 0);
+  ck_assert(memcmp(copy, few, (size_t)n * sizeof(*few)) == 0);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("cuda_items");
   TCase *tc = tcase_create("per");
   tcase_add_test(tc, decode_items_keep_the_longest_cta_within_a_tenth_of_the_best_per);
   tcase_add_test(tc, items_are_counted_whole_per_block_and_only_for_partial_attentions);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("deal");
+  tcase_add_test(tc, item_tiles_count_the_keys_a_block_sees);
+  tcase_add_test(tc, the_deal_is_a_permutation_that_evens_out_the_ctas);
   suite_add_tcase(s, tc);
   return da_test_run(s);
 }
