@@ -427,8 +427,8 @@ static const struct golden {
     /* H100 2026-11-25: numerics.cuh v4 (scale in the exponent's FMA, per-thread sums, lazy max). */
     {4, "sm_90", {0x8014c3e94e3ea16eull, 0x2dfb1441ad95ee96ull, 0xa701f7e92d7c0903ull, 0x9e8d8ea61e59c325ull,
                   0x20fd9920204ce0d4ull}},
-    /* H200 2026-11-27: numerics.cuh v5 (a per-row reciprocal and a multiply per element at
-     * split ends and merges instead of an exact division per element). */
+    /* H200 and H100 2026-11-27: numerics.cuh v5 (a per-row reciprocal and a multiply per
+     * element at split ends and merges instead of an exact division per element). */
     {5, "sm_90", {0xb79dd2f80071ea1bull, 0x32d8f7cdb5fcd92eull, 0xf6ab0756346b6e94ull, 0x959d663dad908e13ull,
                   0x84e5eadc5e639efaull}},
 };
