@@ -6,14 +6,23 @@
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1) {
+/* The keys [*w0, *p_max] that rows [row0, row0 + brows) of attention a see (the first row's
+ * window start, the last row's position). 0 when the block has no rows, else 1. */
+static int block_keys(const da_model *m, int brows, const da_attn *a, int64_t row0, int64_t *w0, int64_t *p_max) {
   const int G = m->n_q_heads / m->n_kv_heads;
   const int64_t n_rows = (int64_t)a->n_q * G;
   int64_t last = row0 + brows;
   if (last > n_rows) last = n_rows;
-  const int64_t p_min = a->q_pos + row0 / G, p_max = a->q_pos + (last - 1) / G;
-  int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
-  if (w0 < 0) w0 = 0;
+  if (last <= row0) return 0;
+  const int64_t p_min = a->q_pos + row0 / G;
+  *p_max = a->q_pos + (last - 1) / G;
+  *w0 = m->window > 0 && p_min - m->window + 1 > 0 ? p_min - m->window + 1 : 0;
+  return 1;
+}
+
+void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1) {
+  int64_t w0 = 0, p_max = -1;
+  (void)block_keys(m, brows, a, row0, &w0, &p_max);
   *j0 = (int)(w0 / S);
   *j1 = (int)(p_max / S) + 1;
 }
@@ -52,14 +61,8 @@ int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch
 }
 
 int64_t da_cu_item_tiles(const da_model *m, int brows, int S, int T, const da_attn *a, const da_cu_item *it) {
-  const int G = m->n_q_heads / m->n_kv_heads;
-  const int64_t n_rows = (int64_t)a->n_q * G;
-  int64_t last = it->row0 + (int64_t)brows;
-  if (last > n_rows) last = n_rows;
-  if (last <= it->row0) return 0;
-  const int64_t p_min = a->q_pos + it->row0 / G, p_max = a->q_pos + (last - 1) / G;
-  int64_t w0 = m->window > 0 ? p_min - m->window + 1 : 0;
-  if (w0 < 0) w0 = 0;
+  int64_t w0, p_max;
+  if (!block_keys(m, brows, a, it->row0, &w0, &p_max)) return 0;
   const int64_t tps = S / T;
   int64_t kb = w0 / T, ke = p_max / T;
   if (kb < it->j0 * tps) kb = it->j0 * tps;
