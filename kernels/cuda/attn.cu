@@ -394,7 +394,9 @@ attn_kernel(const da_cu_args a) {
           slot = at.slot_base + ((int64_t)w.t * a.n_q_heads + w.h) * at.n_splits + j;
           part = a.acc_o + slot * D + dcol0 * 8 + qd * 2;
         }
-        const float lse = da_split_end<NV>(acc, r, st.m[r], l_row, how, part, myfold, fold_lse[r]);
+        const float lse = da_split_end<NV>(
+            acc, r, st.m[r], l_row, how, part, [&](int n, int e) -> float & { return myfold[(n * 4 + e) * 32]; },
+            fold_lse[r]);
         if (partial) {
           if (qd == 0 && lse_writer) a.acc_lse[slot] = lse;
         } else {

@@ -203,15 +203,16 @@ __device__ __forceinline__ float da_merge_o(float wa, float wb, float o, float o
  * The split end of one row r of a thread's m16n8 accumulator fragments acc[NV][4] (the
  * thread's elements of that row: acc[n][2 r], acc[n][2 r + 1]), split state (m, l):
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
- *   DA_END_FIRST  o_j into the in-row fold: fold[(n * 4 + e) * 32] (the row's first split)
+ *   DA_END_FIRST  o_j into the in-row fold: fold(n, e) (the row's first split)
  *   DA_END_MERGE  fold = merge(fold, o_j) with fold_lse (a later split)
- * Returns lse_j (WRITE, FIRST) or the merged lse (MERGE).
+ * fold(n, e) is the float & of element e of fragment n: shared memory (attn.cu) or registers
+ * (prefill_sm90.cu). Returns lse_j (WRITE, FIRST) or the merged lse (MERGE).
  */
 enum { DA_END_WRITE, DA_END_FIRST, DA_END_MERGE };
 
-template <int NV>
+template <int NV, class Fold>
 __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, float m, float l, int how, float *part,
-                                              float *fold, float fold_lse) {
+                                              Fold &&fold, float fold_lse) {
   const float lse_j = da_finalize_lse(m, l);
   const float rl = da_recip(l);
   if (how == DA_END_WRITE) {
@@ -225,7 +226,7 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
 #pragma unroll
     for (int n = 0; n < NV; n++)
 #pragma unroll
-      for (int e = 0; e < 2; e++) fold[(n * 4 + 2 * r + e) * 32] = da_finalize_o(rl, acc[n][2 * r + e]);
+      for (int e = 0; e < 2; e++) fold(n, 2 * r + e) = da_finalize_o(rl, acc[n][2 * r + e]);
     return lse_j;
   }
   const da_merge_w mw = da_merge_weights(fold_lse, lse_j);
@@ -233,8 +234,8 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
   for (int n = 0; n < NV; n++)
 #pragma unroll
     for (int e = 0; e < 2; e++) {
-      float *f = fold + (n * 4 + 2 * r + e) * 32;
-      *f = da_merge_o(mw.wa, mw.wb, *f, da_finalize_o(rl, acc[n][2 * r + e]));
+      float &f = fold(n, 2 * r + e);
+      f = da_merge_o(mw.wa, mw.wb, f, da_finalize_o(rl, acc[n][2 * r + e]));
     }
   return mw.lse;
 }

@@ -5,14 +5,15 @@
  * stages over mbarriers. Same work items and per-row arithmetic as attn.cu:
  *
  *   per tile of T = 64 keys (absolute, ascending; splits of S tokens at absolute positions):
- *     S = Q K^T       wgmma m64n64k16 (Q from registers), k-order over head_dim ascending in
+ *     S = Q K^T       wgmma m64n64k16 (Q from registers at head_dim 64, from shared memory
+ *                     at 128), k-order over head_dim ascending in
  *                     steps of 16, one fp32 accumulator, the first step with scale-d = 0
  *                     (attn.cu: mma.sync m16n8k16 into a zeroed accumulator, same order)
  *     mask, score, da_quad_max, da_rescale, da_exp_row, da_l_update (numerics.cuh, v4)
  *     acc = alpha * acc; P rounded to the input dtype (registers)
  *     acc += P V      wgmma m64nDk16 (P from registers), k-order over keys ascending in 16s
  *   split end: da_finalize_o / da_finalize_lse, then the in-row left fold (da_merge_*) in
- *   shared memory, or the partial write to the accumulator pool.
+ *   registers, or the partial write to the accumulator pool.
  *
  * An output element of an MMA depends only on its own row of A and column of B, so which
  * rows or columns share an instruction does not change it; whether wgmma and mma.sync give
@@ -59,8 +60,9 @@ template <int D> struct cta {
   static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
 };
 
-/* Shared memory, from a 1024-byte aligned base: K and V stages, the in-row fold (fp32 o of
- * every row; touched only at split ends), barriers. Q lives in registers. */
+/* Shared memory, from a 1024-byte aligned base: K and V stages, Q of every consumer
+ * warpgroup at head_dim 128 (QS), barriers. At head_dim 64 Q lives in registers; the in-row
+ * fold (fp32 o of every row) always does. */
 template <int D>
 struct layout {
   static constexpr int NST = D == 128 ? 4 : 6; /* K/V stages */
@@ -69,8 +71,13 @@ struct layout {
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = OFF_K + NST * TILE_B;
   static constexpr int NCW = cta<D>::NCW;
-  static constexpr int OFF_FOLD = OFF_V + NST * TILE_B;  /* [NCW][4 warps][D / 8][4][32 lanes] fp32 */
-  static constexpr int OFF_BAR = OFF_FOLD + cta<D>::BM * D * 4; /* full[NST], empty[NST], aux, turn[NCW] */
+  /* Q in shared memory (S by an SS wgmma chain) where registers are short: at head_dim 128
+   * the fold's 64 registers a thread would not fit beside Q's 32. Same 128-byte swizzled
+   * [64][64] blocks as K, 64 rows a warpgroup. */
+  static constexpr bool QS = D == 128;
+  static constexpr int Q_B = 64 * D * 2; /* one warpgroup's Q */
+  static constexpr int OFF_Q = OFF_V + NST * TILE_B;
+  static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0); /* full[NST], empty[NST], aux, turn[NCW] */
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
   static constexpr int BAR_TURN = BAR_AUX + 8;
   static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
@@ -216,9 +223,11 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
 }
 
 /*
- * One consumer warpgroup: 64 rows of the item (cw = 0 or 1). Q fragments live in registers
- * (the m16n8k16 A layout, wgmma's register-A layout), so S = Q K^T reads only K from shared
- * memory. Each wgmma chain (S over head_dim, P V over a tile's keys) is one asm statement
+ * One consumer warpgroup: 64 rows of the item (cw = 0, 1 or 2). At head_dim 64 the Q
+ * fragments live in registers (the m16n8k16 A layout, wgmma's register-A layout); at 128 Q
+ * is in shared memory and S is an SS chain, so the in-row fold (the accumulator's layout,
+ * fp32) fits in registers beside acc (kernel v5.1: no shared-memory traffic at split ends).
+ * Each wgmma chain (S over head_dim, P V over a tile's keys) is one asm statement
  * (sm90.cuh), so no register copy lands between its wgmmas.
  *
  * PIPE = false ("serial"): per tile, S, wait, softmax, P V, wait.
@@ -277,9 +286,13 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   ri[1] = make_row(a, at, r0 + 8);
   const bool partial = at.slot_base >= 0;
 
-  /* Q in registers: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk +
-   * 2 qd (+1), + 8), zero past the last row. */
-  uint32_t qf[NK][4];
+  /* Q: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk + 2 qd (+1),
+   * + 8), zero past the last row. In registers, or (QS) stored to the warpgroup's swizzled
+   * Q block, once the warpgroup's wgmmas of the previous item are done (every warp has
+   * waited for them when it gets here; the named barrier makes it all four). */
+  uint32_t qf[L::QS ? 1 : NK][4];
+  const uint32_t q_s = base + L::OFF_Q + cw * L::Q_B;
+  if constexpr (L::QS) bar_sync(1 + cw, 128);
   {
     const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
     const uint32_t *src[2];
@@ -290,11 +303,27 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     }
 #pragma unroll
     for (int kk = 0; kk < NK; kk++) {
-      qf[kk][0] = src[0] ? __ldg(src[0] + kk * 8) : 0u;
-      qf[kk][1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
-      qf[kk][2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
-      qf[kk][3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
+      uint32_t f[4];
+      f[0] = src[0] ? __ldg(src[0] + kk * 8) : 0u;
+      f[1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
+      f[2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
+      f[3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
+      if constexpr (L::QS) {
+        /* Element (row, col) of the block: 16-byte chunk col / 8, 4-byte word col / 2 % 4. */
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const int row = warp * 16 + g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1) + 2 * qd;
+          st_shared_u32(q_s + swz128(row, col >> 3, 64) + (col & 7) * 2, f[e]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; e++) qf[kk][e] = f[e];
+      }
     }
+  }
+  if constexpr (L::QS) {
+    fence_async_smem(); /* the stores, to the async proxy that wgmma reads through */
+    bar_sync(1 + cw, 128);
   }
   /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
   if (next >= 0 && qd < D / 64) {
@@ -310,8 +339,8 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
 
   float acc[NV][4];
   float fold_lse[2] = {0.0f, 0.0f};
-  /* This thread's fold values: element (n, e) at fold[(n * 4 + e) * 32]. */
-  float *fold = reinterpret_cast<float *>(smem_base + L::OFF_FOLD) + (cw * 4 + warp) * NV * 4 * 32 + lane;
+  /* The in-row fold of this thread's elements (fp32, the accumulator's layout), in registers. */
+  float fold[NV][4];
   da_row_state st;
   da_state_reset(st);
 #pragma unroll
@@ -319,6 +348,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
 
   /* Descriptors of stage 0's K (k-step 0) and V (key step 0); a stage is TILE_B further. */
   const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, 64 * 128);
+  const uint64_t dq = desc_kmajor(q_s);
 
   /* S of the tile in stage stg into s: one wgmma chain, Q from registers, K from shared
    * memory; the first k-step with scale-d = 0 (d = Q K^T, as from attn.cu's zeroed
@@ -329,8 +359,14 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     uint64_t db[NK];
 #pragma unroll
     for (int kk = 0; kk < NK; kk++) db[kk] = desc_add(dk, (kk >> 2) * 64 * 128 + (kk & 3) * 32);
-    if constexpr (NK == 4) wg_chain_s_rs4_z<BF16>(s, qf, db);
-    else wg_chain_s_rs8_z<BF16>(s, qf, db);
+    if constexpr (L::QS) {
+      uint64_t da[NK];
+#pragma unroll
+      for (int kk = 0; kk < NK; kk++) da[kk] = desc_add(dq, (kk >> 2) * 64 * 128 + (kk & 3) * 32);
+      wg_chain_s_ss8_z<BF16>(s, da, db);
+    } else {
+      wg_chain_s_rs4_z<BF16>(s, qf, db);
+    }
   };
   /* acc += P V of the tile in stage stg: one wgmma chain, issued and committed, not waited for. */
   auto issue_pv = [&](const uint32_t (&p)[BN / 16][4], int stg) {
@@ -408,7 +444,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         slot = at.slot_base + out_row(a, it.kv_head, r0 + 8 * r) * at.n_splits + j;
         part = a.acc_o + slot * D + qd * 2;
       }
-      const float lse = da_split_end<NV>(acc, r, fs.m[r], l_row, how, part, fold, fold_lse[r]);
+      const float lse = da_split_end<NV>(acc, r, fs.m[r], l_row, how, part, [&](int n, int e) -> float & { return fold[n][e]; }, fold_lse[r]);
       if (partial) {
         if (qd == 0) a.acc_lse[slot] = lse;
       } else {
@@ -604,7 +640,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
     uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
 #pragma unroll
-    for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[(n * 4 + 2 * r) * 32], fold[(n * 4 + 2 * r + 1) * 32]);
+    for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[n][2 * r], fold[n][2 * r + 1]);
     if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
 }
