@@ -653,6 +653,10 @@ template <int D, bool BF16, bool PIPE, bool CAP>
 __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
   using L = layout<D>;
+  /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
+   * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
+   * it, and read the partials only after this grid has completed (griddepcontrol.wait). */
+  asm volatile("griddepcontrol.launch_dependents;\n");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
   unsigned char *smem_base = smem_raw + (base - smem_addr(smem_raw)); /* the same, generic */
