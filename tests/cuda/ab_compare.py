@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Tables of a same-run A/B (tests/cuda/ab_gpu.sh): per case the minimum over rounds of the
+old build, of the new one (and of each variant), the ratio new/old; with peers.csv, each
+build's prefill ratio against PyTorch's flash and cuDNN (peer ms / ours: above 1 is faster).
+Usage: ab_compare.py OUT_DIR"""
+import collections
+import csv
+import glob
+import os
+import re
+import sys
+
+
+def load(out, pattern):
+    """(kind, B, L, d, S) -> ms of every fixed-split row of the matching csv files."""
+    rows = collections.defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(out, pattern))):
+        for r in csv.DictReader(open(path)):
+            if not r.get("mode", "").startswith("fixedS"):
+                continue
+            key = (r["kind"], int(r["B"]), int(r["L"]), int(r["d"]), int(r["S"]))
+            rows[key].append(float(r["ms"]))
+    return {k: min(v) for k, v in rows.items()}
+
+
+def table(title, old, new):
+    print(f"## {title}")
+    print(f"{'case (kind, B, L, d, S)':36s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}")
+    for k in sorted(old):
+        if k in new:
+            print(f"{str(k):36s} {old[k]:9.4f} {new[k]:9.4f} {new[k] / old[k]:8.3f}")
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    names = {re.sub(r"^pre-(.*)-(x?[\dx]+)-\d+\.csv$", r"\1", os.path.basename(p))
+             for p in glob.glob(os.path.join(out, "pre-*.csv"))}
+    old = load(out, "pre-old-*.csv")
+    table("prefill", old, load(out, "pre-new-*.csv"))
+    for v in sorted(names - {"old", "new"}):
+        table(f"prefill, {v}", old, load(out, f"pre-{v}-*.csv"))
+    dec_old = load(out, "dec-old-*.csv")
+    if dec_old:
+        table("decode", dec_old, load(out, "dec-new-*.csv"))
+    peers_path = os.path.join(out, "peers.csv")
+    if not os.path.exists(peers_path):
+        return
+    peers = {}
+    for r in csv.DictReader(open(peers_path)):
+        if r["ms"] and r["kind"] == "prefill" and r["causal"] == "1":
+            peers[(r["kind"], int(r["B"]), int(r["L"]), int(r["d"]), r["peer"])] = float(r["ms"])
+    new = load(out, "pre-new-*.csv")
+    print(f"{'prefill case':36s} {'flash':>8s} {'cudnn':>8s} {'old/fl':>7s} {'new/fl':>7s} {'old/cu':>7s} {'new/cu':>7s}")
+    for k in sorted(new):
+        fl, cu = peers.get(k[:4] + ("flash",)), peers.get(k[:4] + ("cudnn",))
+        if fl is None or cu is None or k not in old:
+            continue
+        print(f"{str(k):36s} {fl:8.3f} {cu:8.3f} {fl / old[k]:7.2f} {fl / new[k]:7.2f} {cu / old[k]:7.2f} {cu / new[k]:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

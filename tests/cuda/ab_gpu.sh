@@ -1,0 +1,88 @@
+#!/bin/bash
+# Same-run A/B of the CUDA kernels, on the GPU machine: this tree ("new") against an older
+# source tree ("old", default .ab-old) built beside it, benchmark rounds interleaved, minimum
+# per case, ratios new/old. Timings from different calls or cards are not comparable; this
+# is how every kernel change in kernels/cuda/NOTES.md is measured.
+#
+# Here:   rm -rf .ab-old && mkdir .ab-old && git archive HEAD | tar x -C .ab-old
+# There:  run with carry [".devdeps", ".ab-old"] and the command `bash tests/cuda/ab_gpu.sh`
+#
+# Environment (defaults in brackets):
+#   ROUNDS [2]        interleaved rounds of every prefill case
+#   SPLITS [512 2048] split sizes S of the prefill rounds
+#   DECODE [0]        1: decode table too (ROUNDS rounds per split of DEC_SPLITS [512])
+#   EXTRA  []         extra causal prefills of the 32/8-head d-128 model, "BxL ..."
+#   VARIANTS []       DA_CUDA_PREFILL values run on the new build as well
+#   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1
+#   CTEST [1]         1: the gpu-labelled tests on the new build
+#   PEERS [0]         1: PyTorch SDPA prefill peers, ratios for old and new
+# Results: $OUT/summary.txt (printed), every csv and log in $OUT/all.tgz.
+set -u
+OLD=${1:-.ab-old}
+OUT=${OUT:-/tmp/detattn-ab}
+mkdir -p "$OUT"
+[ -f "$OLD/CMakeLists.txt" ] || { echo "ab_gpu: no source tree at $OLD" >&2; exit 2; }
+eval "$(bash .devdeps/unpack.sh)"
+sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
+T0=$(date +%s)
+stamp() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/summary.txt"; }
+configure() { # source, build dir, name, extra cmake arguments
+  cmake -S "$1" -B "$2" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release "${@:4}" \
+    > "$OUT/cfg-$3.log" 2>&1 || { tail -20 "$OUT/cfg-$3.log"; exit 1; }
+}
+configure . build-gpu new
+configure "$OLD" build-ab-old old
+pids=()
+(cmake --build build-ab-old --target detattn-bench -j4 > "$OUT/build-old.log" 2>&1) &
+pids+=($!)
+if [ -n "${VFLAGS:-}" ]; then
+  configure . build-ab-var var "-DCMAKE_CUDA_FLAGS=$VFLAGS"
+  (cmake --build build-ab-var --target detattn-bench -j4 > "$OUT/build-var.log" 2>&1) &
+  pids+=($!)
+fi
+cmake --build build-gpu -j8 > "$OUT/build-new.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build-new.log" | head -30; exit 1; }
+for p in "${pids[@]}"; do wait "$p" || { grep -E "error|FAILED" -A3 "$OUT"/build-*.log | head -30; exit 1; }; done
+stamp built
+
+NEW="build-gpu/bin/detattn-bench --backend cuda"
+OLDB="build-ab-old/bin/detattn-bench --backend cuda"
+VAR="build-ab-var/bin/detattn-bench --backend cuda"
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for S in ${SPLITS:-512 2048}; do
+    $OLDB --prefill-only --split "$S" > "$OUT/pre-old-$S-$r.csv" 2>> "$OUT/bench.err"
+    $NEW --prefill-only --split "$S" > "$OUT/pre-new-$S-$r.csv" 2>> "$OUT/bench.err"
+    [ -n "${VFLAGS:-}" ] && $VAR --prefill-only --split "$S" > "$OUT/pre-var-$S-$r.csv" 2>> "$OUT/bench.err"
+    for v in ${VARIANTS:-}; do
+      DA_CUDA_PREFILL=$v $NEW --prefill-only --split "$S" > "$OUT/pre-$v-$S-$r.csv" 2>> "$OUT/bench.err"
+    done
+  done
+  for bl in ${EXTRA:-}; do
+    $OLDB --one-prefill "${bl%x*}" "${bl#*x}" > "$OUT/pre-old-x$bl-$r.csv" 2>> "$OUT/bench.err"
+    $NEW --one-prefill "${bl%x*}" "${bl#*x}" > "$OUT/pre-new-x$bl-$r.csv" 2>> "$OUT/bench.err"
+  done
+done
+stamp prefill rounds
+if [ "${DECODE:-0}" = 1 ]; then
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for S in ${DEC_SPLITS:-512}; do
+      $OLDB --decode-only --split "$S" > "$OUT/dec-old-$S-$r.csv" 2>> "$OUT/bench.err"
+      $NEW --decode-only --split "$S" > "$OUT/dec-new-$S-$r.csv" 2>> "$OUT/bench.err"
+    done
+  done
+  stamp decode rounds
+fi
+if [ "${CTEST:-1}" = 1 ]; then
+  timeout 300 ctest --test-dir build-gpu -L gpu --timeout 240 --output-on-failure > "$OUT/ctest.log" 2>&1
+  grep -E "tests passed|tests failed|\*\*\*Failed" "$OUT/ctest.log" | tail -12 | tee -a "$OUT/summary.txt"
+  stamp ctest
+fi
+if [ "${PEERS:-0}" = 1 ]; then
+  timeout 200 python3 clients/bench/sdpa_peer.py --prefill-only --csv "$OUT/peers.csv" \
+    --ours "$OUT/pre-new-512-1.csv" > "$OUT/peers.md" 2> "$OUT/peers.err"
+  stamp peers
+fi
+python3 tests/cuda/ab_compare.py "$OUT" | tee -a "$OUT/summary.txt"
+# The device hands back only a few files: one archive and the summary.
+tgz=$(mktemp /tmp/ab-all.XXXXXX)
+tar czf "$tgz" -C "$OUT" --exclude summary.txt . && find "$OUT" -type f ! -name summary.txt -delete && mv "$tgz" "$OUT/all.tgz"
