@@ -45,6 +45,9 @@ namespace {
 
 constexpr int BN = DA_CU_TILE; /* keys per tile */
 constexpr int NTS = BN / 8;    /* n8 fragments of a score tile */
+/* Named barrier of consumer warpgroup c's Q stores: Q_BAR0 + c (ids below 8 left free, as
+ * CUTLASS does: NOTES v5.1 saw ids 1-2 fail with bar.arrive in this kernel). */
+constexpr int Q_BAR0 = 8;
 
 /* Consumer warpgroups per CTA: three at head_dim 64, where a tile's softmax is long next to
  * its MMAs (FA3's 192-row shape), two at 128. */
@@ -249,7 +252,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  */
 template <int D, bool BF16, bool PIPE, bool CAP>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
-                                        unsigned char *smem_base, int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
+                                        int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -292,7 +295,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
    * waited for them when it gets here; the named barrier makes it all four). */
   uint32_t qf[L::QS ? 1 : NK][4];
   const uint32_t q_s = base + L::OFF_Q + cw * L::Q_B;
-  if constexpr (L::QS) bar_sync(1 + cw, 128);
+  if constexpr (L::QS) bar_sync(Q_BAR0 + cw, 128);
   {
     const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
     const uint32_t *src[2];
@@ -323,7 +326,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   }
   if constexpr (L::QS) {
     fence_async_smem(); /* the stores, to the async proxy that wgmma reads through */
-    bar_sync(1 + cw, 128);
+    bar_sync(Q_BAR0 + cw, 128);
   }
   /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
   if (next >= 0 && qd < D / 64) {
@@ -350,19 +353,22 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, 64 * 128);
   const uint64_t dq = desc_kmajor(q_s);
 
-  /* S of the tile in stage stg into s: one wgmma chain, Q from registers, K from shared
-   * memory; the first k-step with scale-d = 0 (d = Q K^T, as from attn.cu's zeroed
+  /* S of the tile in stage stg into s: one wgmma chain, Q from registers (head_dim 64) or
+   * shared memory (QS), K from shared memory; the first k-step with scale-d = 0 (d = Q K^T, as from attn.cu's zeroed
    * accumulator: at most the sign of an exact zero differs, which no later step can see).
    * Issued and committed, not waited for. */
+  /* K-major operand (K, or Q in shared memory) of k-step kk: its 64-column block, then 32
+   * bytes a k16 step inside it. */
+  auto kstep = [](uint64_t d, int kk) { return desc_add(d, (kk >> 2) * 64 * 128 + (kk & 3) * 32); };
   auto issue_s = [&](float (&s)[NTS][4], int stg) {
     const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::TILE_B);
     uint64_t db[NK];
 #pragma unroll
-    for (int kk = 0; kk < NK; kk++) db[kk] = desc_add(dk, (kk >> 2) * 64 * 128 + (kk & 3) * 32);
+    for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk);
     if constexpr (L::QS) {
       uint64_t da[NK];
 #pragma unroll
-      for (int kk = 0; kk < NK; kk++) da[kk] = desc_add(dq, (kk >> 2) * 64 * 128 + (kk & 3) * 32);
+      for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk);
       wg_chain_s_ss8_z<BF16>(s, da, db);
     } else {
       wg_chain_s_rs4_z<BF16>(s, qf, db);
@@ -659,7 +665,6 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
   asm volatile("griddepcontrol.launch_dependents;\n");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
-  unsigned char *smem_base = smem_raw + (base - smem_addr(smem_raw)); /* the same, generic */
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NST; s++) {
@@ -687,7 +692,7 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, smem_base, cw,
+      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, cw,
                              pingpong, rp, turn_ph);
   }
 }
