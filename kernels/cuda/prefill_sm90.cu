@@ -6,8 +6,8 @@
  *
  *   per tile of T = 64 keys (absolute, ascending; splits of S tokens at absolute positions):
  *     S = Q K^T       wgmma m64n64k16 (Q from registers at head_dim 64, from shared memory
- *                     at 128), k-order over head_dim ascending in
- *                     steps of 16, one fp32 accumulator, the first step with scale-d = 0
+ *                     at 128), k-order over head_dim ascending in steps of 16, one fp32
+ *                     accumulator, the first step with scale-d = 0
  *                     (attn.cu: mma.sync m16n8k16 into a zeroed accumulator, same order)
  *     mask, score, da_quad_max, da_rescale, da_exp_row, da_l_update (numerics.cuh, v4)
  *     acc = alpha * acc; P rounded to the input dtype (registers)
@@ -353,13 +353,13 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, 64 * 128);
   const uint64_t dq = desc_kmajor(q_s);
 
-  /* S of the tile in stage stg into s: one wgmma chain, Q from registers (head_dim 64) or
-   * shared memory (QS), K from shared memory; the first k-step with scale-d = 0 (d = Q K^T, as from attn.cu's zeroed
-   * accumulator: at most the sign of an exact zero differs, which no later step can see).
-   * Issued and committed, not waited for. */
   /* K-major operand (K, or Q in shared memory) of k-step kk: its 64-column block, then 32
    * bytes a k16 step inside it. */
   auto kstep = [](uint64_t d, int kk) { return desc_add(d, (kk >> 2) * 64 * 128 + (kk & 3) * 32); };
+  /* S of the tile in stage stg into s: one wgmma chain, Q from registers (head_dim 64) or
+   * shared memory (QS), K from shared memory; the first k-step with scale-d = 0 (d = Q K^T,
+   * as from attn.cu's zeroed accumulator: at most the sign of an exact zero differs, which
+   * no later step can see). Issued and committed, not waited for. */
   auto issue_s = [&](float (&s)[NTS][4], int stg) {
     const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::TILE_B);
     uint64_t db[NK];
