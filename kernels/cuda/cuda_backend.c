@@ -49,6 +49,10 @@ typedef struct cuda_ctx {
                        ("items") one CTA per item, k > 0 a persistent grid of at most k CTAs */
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   int sm90_decode;  /* blocks of at most 16 rows on prefill_sm90.cu too (unless DA_CUDA_SM90_DECODE=0) */
+  int launch_pipes; /* the staged batch runs as pipes (plan.pipes > 1) */
+  int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
+                       form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
+                       DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -273,8 +277,9 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     rv = prefill_path(getenv("DA_CUDA_PREFILL"), m->head_dim, &path, err, errlen);
     if (rv != 0) goto fail;
     const char *dec = getenv("DA_CUDA_SM90_DECODE");
-    if (dec != NULL && dec[0] != '\0' && strcmp(dec, "0") != 0 && strcmp(dec, "1") != 0) {
-      snprintf(err, errlen, "cuda: DA_CUDA_SM90_DECODE=%s: expected 0 or 1", dec);
+    if (dec != NULL && dec[0] != '\0' && strcmp(dec, "0") != 0 && strcmp(dec, "1") != 0 &&
+        strcmp(dec, "pipes") != 0 && strcmp(dec, "pipes-serial") != 0) {
+      snprintf(err, errlen, "cuda: DA_CUDA_SM90_DECODE=%s: expected 0, 1, pipes or pipes-serial", dec);
       rv = DETATTN_INVALID_ARGUMENT;
       goto fail;
     }
@@ -286,6 +291,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
      * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
     c->sm90_decode = c->sm90_prefill && !(dec != NULL && strcmp(dec, "0") == 0);
+    /* Decode-only batches as pipes (prefill_sm90.cu): two warpgroups' latency chains per SM
+     * instead of one (NOTES.md v5.3). DA_CUDA_SM90_DECODE=1: one shared pipeline (A/B). */
+    if (c->sm90_decode && !(dec != NULL && strcmp(dec, "1") == 0))
+      c->sm90_pipes = DA_CU_SM90_PIPES | ((dec != NULL && strcmp(dec, "pipes-serial") == 0) || path == DA_CU_SM90_SERIAL
+                                              ? DA_CU_SM90_SERIAL
+                                              : DA_CU_SM90_PIPELINED);
 #else
     (void)path, (void)dec;
 #endif
@@ -467,6 +478,7 @@ typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
   int per; /* splits per partial item */
+  int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
   int64_t inrow_rows, partial_rows;
   int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
   int64_t gseg_max, sseg_max; /* their largest segment, bytes */
@@ -525,12 +537,18 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
       pl->host_in = pl->host_out = 1;
     }
   }
+  /* Decode rows only (every block of at most 16 rows), all in-row: the launch runs as pipes
+   * (prefill_sm90.cu). Measured 1-3 % faster at B 32-128 and 0.5-1 % slower on partial
+   * batches (B 1-8) on an H200 (NOTES.md v5.3), so those keep the one ring. */
+  pl->pipes = c->sm90_pipes && pl->partial_rows == 0 ? DA_CU_SM90_N_PIPES : 1;
+  for (int i = 0; i < b->n_attns; i++)
+    if ((int64_t)b->attns[i].n_q * G > 16) pl->pipes = 1;
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
    * on its own (the bits do not depend on per). A wave is the persistent grid's CTAs where
    * prefill_sm90.cu runs every item (sm90_decode: one CTA per SM, items round-robin), else
    * two resident CTAs per SM (attn.cu). */
   const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
-  const int64_t slots = c->sm90_decode ? grid : 2 * (int64_t)c->n_sm;
+  const int64_t slots = c->sm90_decode ? grid * pl->pipes : 2 * (int64_t)c->n_sm;
   int64_t n_part = 0;
   pl->per = da_cu_partial_per(m, c->brows, S, DA_CU_TILE, b, pl->partial, slots, &n_part);
   pl->n_items += n_part;
@@ -616,7 +634,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
    * scratch memory for it the items stay in the order above). */
   if (c->sm90_prefill && c->sm90_grid >= 0) {
     const int64_t n_l = c->sm90_decode ? n_it : n_it - n_split;
-    const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
+    const int64_t grid = (c->sm90_grid > 0 ? c->sm90_grid : c->n_sm) * pl->pipes;
     (void)da_cu_deal(m, c->brows, S, DA_CU_TILE, b->attns, its, n_l, grid < n_l ? grid : n_l);
   }
   for (int i = 0; i < b->n_attns; i++) {
@@ -701,6 +719,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->has_inrow = pl->inrow_rows > 0;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
+  c->launch_pipes = pl->pipes > 1;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
   g->cap_in = g->softcap ? (float)((double)m->scale / (double)m->softcap) : 0.0f;
@@ -714,8 +733,9 @@ static int attn_launch(cuda_ctx *c) {
 #ifdef DA_CUDA_HAVE_SM90A
   if (c->sm90_prefill) {
     da_cu_args d = c->args;
+    const int v = c->launch_pipes ? c->sm90_pipes : c->sm90_prefill;
     if (c->sm90_decode) d.n_split_items = 0;
-    int e = da_cuda_prefill_sm90(&d, c->sm90_prefill | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
+    int e = da_cuda_prefill_sm90(&d, v | (c->sm90_grid < 0 ? DA_CU_SM90_PER_ITEM : 0), c->stream);
     if (e != 0 || c->sm90_decode) return e;
     d.items += d.n_items - d.n_split_items;
     d.n_items = d.n_split_items;

@@ -105,6 +105,12 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
 #define DA_CU_SM90_PIPELINED 2
 #define DA_CU_SM90_PINGPONG 3
 #define DA_CU_SM90_PER_ITEM 0x10 /* or'ed into variant: one CTA per item instead of a persistent grid */
+/* or'ed into variant where every item has at most 64 rows (decode): each CTA runs
+ * DA_CU_SM90_N_PIPES independent pipelines (a producer warp, a consumer warpgroup and a
+ * share of the K/V stages each), taking items b * N + w, stepping gridDim.x * N; with
+ * DA_CU_SM90_PER_ITEM, N items a CTA. Same bits. */
+#define DA_CU_SM90_PIPES 0x20
+#define DA_CU_SM90_N_PIPES 2
 int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);

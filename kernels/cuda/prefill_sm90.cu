@@ -63,27 +63,31 @@ template <int D> struct cta {
   static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
 };
 
-/* Shared memory, from a 1024-byte aligned base: K and V stages, Q of every consumer
- * warpgroup at head_dim 128 (QS), barriers. At head_dim 64 Q lives in registers; the in-row
- * fold (fp32 o of every row) always does. */
+/* Shared memory, from a 1024-byte aligned base: Q of every consumer warpgroup at head_dim 128
+ * (QS), the barriers, then the K/V stages (stage s: K, then V). At head_dim 64 Q lives in
+ * registers; the in-row fold (fp32 o of every row) always does. A launch allocates the stages
+ * it uses (bytes(nst)): a smaller carve-out leaves more L1. */
 template <int D>
 struct layout {
-  static constexpr int NST = D == 128 ? 4 : 6; /* K/V stages */
+  /* K/V stages: NST_RING in one ring; a decode launch with pipes uses NST_MAX, split evenly. */
+  static constexpr int NST_RING = D == 128 ? 4 : 6;
+  static constexpr int NST_MAX = 6;
   static constexpr int CB = D / 64;            /* 64-column blocks of a row */
   static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
-  static constexpr int OFF_K = 0;
-  static constexpr int OFF_V = OFF_K + NST * TILE_B;
+  static constexpr int STAGE_B = 2 * TILE_B;   /* K and V of a tile */
   static constexpr int NCW = cta<D>::NCW;
   /* Q in shared memory (S by an SS wgmma chain) where registers are short: at head_dim 128
    * the fold's 64 registers a thread would not fit beside Q's 32. Same 128-byte swizzled
    * [64][64] blocks as K, 64 rows a warpgroup. */
   static constexpr bool QS = D == 128;
   static constexpr int Q_B = 64 * D * 2; /* one warpgroup's Q */
-  static constexpr int OFF_Q = OFF_V + NST * TILE_B;
-  static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0); /* full[NST], empty[NST], aux, turn[NCW] */
-  static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST, BAR_AUX = OFF_BAR + 16 * NST;
-  static constexpr int BAR_TURN = BAR_AUX + 8;
-  static constexpr int BYTES = BAR_TURN + NCW * 8 + 1024;
+  static constexpr int OFF_Q = 0;
+  static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0); /* full[NST_MAX], empty[NST_MAX], aux[NCW], turn[NCW] */
+  static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST_MAX, BAR_AUX = OFF_BAR + 16 * NST_MAX;
+  static constexpr int BAR_TURN = BAR_AUX + 8 * NCW;
+  static constexpr int OFF_S = (BAR_TURN + NCW * 8 + 1023) / 1024 * 1024;
+  static constexpr int OFF_K = OFF_S, OFF_V = OFF_S + TILE_B; /* of stage 0 */
+  static constexpr int bytes(int nst) { return OFF_S + nst * STAGE_B + 1024; }
 };
 
 /* A row of the block: valid, its position p and window start w0, and its first and last
@@ -136,11 +140,13 @@ __device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
   return r;
 }
 
-/* Where a ring user is: the stage of the next tile and the count of completed rounds. It
- * carries over from one item to the next in a persistent CTA. */
+/* Where a ring user is: the stage of the next tile and the count of completed rounds of its
+ * ring, the stages [first, end) (all NST, or one pipe's share). It carries over from one
+ * item to the next in a persistent CTA. */
 struct ring_pos {
   int st;
   uint32_t round;
+  int first, end;
 };
 
 /*
@@ -153,13 +159,13 @@ struct ring_pos {
  */
 template <int D>
 __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, uint32_t base,
-                                        ring_pos &rp, uint32_t &aux_ph) {
+                                        ring_pos &rp, uint32_t bar_aux, uint32_t &aux_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
   const int kt_begin = ir.kt_begin, kt_end = ir.kt_end, w0_min = ir.w0_min, p_max = ir.p_max;
   const int lane = threadIdx.x & 31;
-  const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY, bar_aux = base + L::BAR_AUX;
+  const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
   const int R = a.page_tokens < BN ? a.page_tokens : BN; /* rows per box */
   const int nchunk = BN / R;                             /* 1, 2, 4 or 8 (page_tokens >= 8) */
   const int tpb = 32 / nchunk;                           /* tiles per page-id batch */
@@ -190,7 +196,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
     const bool clean = k0 >= w0_min && k0 + BN - 1 <= p_max;
     const int n_load = __popc(__ballot_sync(0xffffffffu, pg >= 0));
     mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
-    const uint32_t kd = base + L::OFF_K + st * L::TILE_B, vd = base + L::OFF_V + st * L::TILE_B;
+    const uint32_t kd = base + L::OFF_K + st * L::STAGE_B, vd = kd + L::TILE_B;
     const uint32_t bar = clean ? bar_full + 8 * st : bar_aux;
     if (lane == 0 && n_load > 0) mbar_arrive_tx(bar, (uint32_t)n_load * chunk_bytes);
     __syncwarp();
@@ -220,7 +226,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_full + 8 * st);
     }
-    if (++st == L::NST) st = 0, round++;
+    if (++st == rp.end) st = rp.first, round++;
   }
   rp.st = st, rp.round = round;
 }
@@ -252,7 +258,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  */
 template <int D, bool BF16, bool PIPE, bool CAP>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
-                                        int cw, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
+                                        int cw, int wrow, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -265,7 +271,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   const uint32_t bar_turn = base + L::BAR_TURN;
   const int G = a.n_q_heads / a.n_kv_heads;
   const int n_rows = at.n_q * G;
-  const int wr0 = it.row0 + cw * 64; /* first row of this warpgroup */
+  const int wr0 = it.row0 + wrow; /* first row of this warpgroup */
 
   /* This warpgroup's rows and key range (a sub-range of the CTA's). */
   const bool active = wr0 < n_rows;
@@ -335,7 +341,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-      const int row = nit.row0 + cw * 64 + warp * 16 + g + 8 * r;
+      const int row = nit.row0 + wrow + warp * 16 + g + 8 * r;
       if (row < nat.n_q * G) prefetch_l2(q + ((int64_t)(row / G) * a.n_q_heads + nit.kv_head * G + row % G) * D + qd * 64);
     }
   }
@@ -361,7 +367,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
    * as from attn.cu's zeroed accumulator: at most the sign of an exact zero differs, which
    * no later step can see). Issued and committed, not waited for. */
   auto issue_s = [&](float (&s)[NTS][4], int stg) {
-    const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::TILE_B);
+    const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::STAGE_B);
     uint64_t db[NK];
 #pragma unroll
     for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk);
@@ -376,7 +382,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   };
   /* acc += P V of the tile in stage stg: one wgmma chain, issued and committed, not waited for. */
   auto issue_pv = [&](const uint32_t (&p)[BN / 16][4], int stg) {
-    const uint64_t dv = desc_add(dv0, (uint32_t)stg * L::TILE_B);
+    const uint64_t dv = desc_add(dv0, (uint32_t)stg * L::STAGE_B);
     uint64_t db[BN / 16];
 #pragma unroll
     for (int kc = 0; kc < BN / 16; kc++) db[kc] = desc_add(dv, kc * 16 * 128);
@@ -490,7 +496,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
-      if (++stage == L::NST) stage = 0, round++;
+      if (++stage == rp.end) stage = rp.first, round++;
       if (++in_split == tps) in_split = 0, j++;
     }
     rp.st = stage, rp.round = round;
@@ -500,7 +506,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
      * warpgroup's (its tiles [a, b] of the segment); every warpgroup runs B - A + 2 slots per
      * segment, so the ping-pong turns pair up. The pipeline drains at split ends: finalize
      * runs with no wgmma in flight (inside the pipelined loop ptxas serializes it: C7511). */
-    int st_n = rp.st, st_c = 0; /* stage of the tile being waited for, of the one before */
+    int st_n = rp.st, st_c = rp.first; /* stage of the tile being waited for, of the one before */
     uint32_t ph_n = rp.round;
     auto turn_wait = [&]() {
       if (pingpong) {
@@ -521,7 +527,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     };
     auto advance = [&]() {
       st_c = st_n;
-      if (++st_n == L::NST) st_n = 0, ph_n++;
+      if (++st_n == rp.end) st_n = rp.first, ph_n++;
     };
     /* A slot without work of this warpgroup: t is the tile waited for (none past B), t - 1
      * the one released (none at the segment's first slot). */
@@ -654,10 +660,16 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
 /* Items [0, n) of the list; CTA b takes items b, b + gridDim.x, ... (a persistent grid of
  * one CTA per SM, or one item per CTA when gridDim.x == n). The ring of K/V stages, its
  * barriers' phases and the ping-pong turns carry over from item to item, so the producer
- * loads the next item's first tiles while the consumers finish this one. */
+ * loads the next item's first tiles while the consumers finish this one.
+ * pipes > 1 (decode launches, every item at most 64 rows): the CTA runs `pipes` independent
+ * pipelines, pipe w = producer warp w, consumer warpgroup w (its rows [row0, row0 + 64)) and
+ * stages [w nst / pipes, (w + 1) nst / pipes), taking items v, v + V, ... with v = b pipes + w
+ * and V = gridDim.x pipes; consumer warpgroups past the pipes stay idle. A decode tile's
+ * update is one warpgroup's latency chain, so a CTA's K/V stream runs as fast as that chain
+ * allows; two chains per SM double it (NOTES v5.3). */
 template <int D, bool BF16, bool PIPE, bool CAP>
 __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
-    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong) {
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst) {
   using L = layout<D>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
@@ -667,33 +679,43 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < L::NST; s++) {
+    for (int s = 0; s < nst; s++) {
       mbar_init(base + L::BAR_FULL + 8 * s, 1);
-      mbar_init(base + L::BAR_EMPTY + 8 * s, L::NCW * 4); /* one arrival per consumer warp */
+      mbar_init(base + L::BAR_EMPTY + 8 * s, (pipes > 1 ? 1 : L::NCW) * 4); /* one arrival per consumer warp */
     }
-    mbar_init(base + L::BAR_AUX, 1);
-    for (int c = 0; c < L::NCW; c++) mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the previous warpgroup's warps */
+    for (int c = 0; c < L::NCW; c++) {
+      mbar_init(base + L::BAR_AUX + 8 * c, 1);
+      mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the previous warpgroup's warps */
+    }
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
   __syncthreads();
 
-  ring_pos rp = {0, 0};
+  /* This thread's pipe w (producer warp w, or consumer warpgroup w when pipes > 1). */
+  const int nstp = nst / pipes;
+  const int nv = (int)gridDim.x * pipes;
   if (threadIdx.x < 128) {
     regs_dec<cta<D>::PREGS>();
-    if (threadIdx.x < 32) {
+    const int w = warp_uniform((int)threadIdx.x / 32);
+    if (w < pipes) {
+      ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
       uint32_t aux_ph = 0;
-      for (int i = blockIdx.x; i < n; i += gridDim.x) produce<D>(a, cta_range<D>(a, i), &tm, base, rp, aux_ph);
+      for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
+        produce<D>(a, cta_range<D>(a, i), &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
     }
   } else {
     regs_inc<cta<D>::CREGS>();
     const int cw = warp_uniform((int)threadIdx.x / 128) - 1;
+    const int w = pipes > 1 ? cw : 0;
+    if (w >= pipes) return;
+    ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
     uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
-    for (int i = blockIdx.x; i < n; i += gridDim.x)
-      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + (int)gridDim.x < n ? i + (int)gridDim.x : -1, base, cw,
-                             pingpong, rp, turn_ph);
+    for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
+      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + nv < n ? i + nv : -1, base, cw, pipes > 1 ? 0 : cw * 64,
+                                  pingpong, rp, turn_ph);
   }
 }
 
@@ -714,7 +736,7 @@ encode_fn get_encode() {
 }
 
 template <int D, bool BF16, bool PIPE, bool CAP>
-cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStream_t stream) {
+cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
    * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
@@ -737,25 +759,27 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, cudaStrea
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::BYTES);
+    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             L::bytes(L::NST_MAX));
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::BYTES, stream>>>(*a, tm, n, pingpong);
+  const int nst = pipes > 1 ? L::NST_MAX : L::NST_RING;
+  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, n, pingpong, pipes, nst);
   return cudaGetLastError();
 }
 
 template <bool CAP>
-int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, cudaStream_t stream) {
+int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, cudaStream_t stream) {
   switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
-  case 64 * 4 + 3: return (int)launch<64, true, true, CAP>(a, n, grid, pp, stream);
-  case 64 * 4 + 2: return (int)launch<64, true, false, CAP>(a, n, grid, 0, stream);
-  case 64 * 4 + 1: return (int)launch<64, false, true, CAP>(a, n, grid, pp, stream);
-  case 64 * 4: return (int)launch<64, false, false, CAP>(a, n, grid, 0, stream);
-  case 128 * 4 + 3: return (int)launch<128, true, true, CAP>(a, n, grid, pp, stream);
-  case 128 * 4 + 2: return (int)launch<128, true, false, CAP>(a, n, grid, 0, stream);
-  case 128 * 4 + 1: return (int)launch<128, false, true, CAP>(a, n, grid, pp, stream);
-  case 128 * 4: return (int)launch<128, false, false, CAP>(a, n, grid, 0, stream);
+  case 64 * 4 + 3: return (int)launch<64, true, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 64 * 4 + 2: return (int)launch<64, true, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 64 * 4 + 1: return (int)launch<64, false, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 64 * 4: return (int)launch<64, false, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 128 * 4 + 3: return (int)launch<128, true, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4 + 2: return (int)launch<128, true, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 128 * 4 + 1: return (int)launch<128, false, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4: return (int)launch<128, false, false, CAP>(a, n, grid, 0, pipes, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
@@ -765,12 +789,16 @@ int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, cudaStream
 extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream) {
   const int n = a->n_items - a->n_split_items;
   if (n <= 0) return 0;
-  const int v = variant & ~DA_CU_SM90_PER_ITEM;
+  const int v = variant & ~(DA_CU_SM90_PER_ITEM | DA_CU_SM90_PIPES);
   if (v < DA_CU_SM90_SERIAL || v > DA_CU_SM90_PINGPONG) return (int)cudaErrorInvalidValue;
   const bool pipe = v != DA_CU_SM90_SERIAL;
-  const int pp = v == DA_CU_SM90_PINGPONG;
-  const int grid = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0 || a->n_sm > n ? n : a->n_sm;
-  if (a->softcap) return dispatch<true>(a, n, grid, pipe, pp, stream);
-  return dispatch<false>(a, n, grid, pipe, pp, stream);
+  /* Pipes on a persistent grid where the items outnumber the SMs (else one item a CTA
+   * spreads them wider); no ping-pong in a pipe (one consumer warpgroup). */
+  const bool per_item = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0;
+  const int pipes = (variant & DA_CU_SM90_PIPES) && (per_item || n > a->n_sm) ? DA_CU_SM90_N_PIPES : 1;
+  const int pp = v == DA_CU_SM90_PINGPONG && pipes == 1;
+  int grid = per_item ? (n + pipes - 1) / pipes : a->n_sm;
+  if (grid > (n + pipes - 1) / pipes) grid = (n + pipes - 1) / pipes;
+  if (a->softcap) return dispatch<true>(a, n, grid, pipe, pp, pipes, stream);
+  return dispatch<false>(a, n, grid, pipe, pp, pipes, stream);
 }
-

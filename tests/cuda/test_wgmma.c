@@ -4,8 +4,8 @@
  * (attn.cu, DA_CUDA_PREFILL=mma), bit for bit, on the same seeded inputs: one-shot
  * prefill, chunked prefill (random chunk sizes and split modes), token-by-token decode (on
  * prefill_sm90.cu too in the wgmma paths since v3.4, unless DA_CUDA_SM90_DECODE=0), in-row vs
- * partial splits, and mixed batches (targets alone vs inside random batches of prefill
- * chunks and decode rows); and the wgmma path's accuracy
+ * partial splits, mixed batches (targets alone vs inside random batches of prefill
+ * chunks and decode rows) and decode-only batches (run as pipes); and the wgmma path's accuracy
  * against the fp64 reference. Two backends run side by side, one per path; pools poisoned
  * with NaN. Every comparison prints a line (the first differing element with its token, head
  * and column when it fails), then the test asserts none failed.
@@ -347,6 +347,76 @@ START_TEST(paths_agree_in_mixed_batches) {
 }
 END_TEST
 
+/* Decode-only batches (prefill_sm90.cu runs in-row ones as pipes, DA_CU_SM90_PIPES: two
+ * independent pipelines a CTA on the small test grids): NS sequences each decode one token at
+ * a random position, in every split mode, against mma.sync, against the partial form, and
+ * each row against the same row decoded alone. */
+START_TEST(paths_agree_in_decode_batches) {
+  const tcfg *c = &cfgs[_i];
+  enum { NS = 10 };
+  const int n = 800;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 400 + (uint64_t)_i);
+  uint8_t used[1024] = {0};
+  seq s[NS];
+  int pos[NS];
+  for (int i = 0; i < NS; i++) seq_init(&s[i], c, n, &r, used), pos[i] = (int)da_rng_range(&r, 0, n - 1);
+  static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
+  static const char *names[] = {"in-row", "partial", "auto"};
+  const size_t row = (size_t)c->hq * c->d;
+  /* o[w][m]: [NS][hq][d] rows of the batch in mode m; o[w][3]: each row alone (in-row). */
+  uint16_t *o[N_PATHS][4] = {{NULL}};
+  float *lse[N_PATHS][4] = {{NULL}};
+  int fails = 0;
+  for (int w = 0; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
+    path p = open_path(c, w);
+    for (int i = 0; i < NS; i++) {
+      da_append ap = mk_append(c, &s[i], 1, 0, n);
+      da_batch b = {.appends = &ap, .n_appends = 1};
+      run_ok(&p, &b);
+    }
+    for (int m = 0; m < 4; m++) {
+      o[w][m] = malloc(NS * row * 2), lse[w][m] = malloc(NS * (size_t)c->hq * 4);
+      ck_assert(o[w][m] && lse[w][m]);
+    }
+    da_attn at[NS];
+    for (int i = 0; i < NS; i++)
+      at[i] = (da_attn){.layer = 1, .q_pos = pos[i], .n_q = 1, .pages = s[i].pages, .n_pages = s[i].n_pages,
+                        .q = s[i].q + (size_t)pos[i] * row};
+    for (int m = 0; m < 4; m++) {
+      for (int i = 0; i < NS; i++) at[i].o = o[w][m] + i * row, at[i].lse = lse[w][m] + (size_t)i * c->hq;
+      if (m < 3) {
+        da_batch b = {.attns = at, .n_attns = NS, .split_mode = modes[m]};
+        run_ok(&p, &b);
+      } else {
+        for (int i = 0; i < NS; i++) {
+          da_batch b = {.attns = &at[i], .n_attns = 1, .split_mode = DA_SPLIT_INROW};
+          run_ok(&p, &b);
+        }
+      }
+    }
+    close_path(&p);
+  }
+  char what[80];
+  for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
+    for (int m = 0; m < 3; m++) {
+      snprintf(what, sizeof(what), "decode %s: mma.sync vs %s", names[m], path_env[w]);
+      fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], NS);
+    }
+    snprintf(what, sizeof(what), "%s: decode in-row vs partial", path_env[w]);
+    fails += same(c, what, _i, o[w][0], o[w][1], lse[w][0], lse[w][1], NS);
+    snprintf(what, sizeof(what), "%s: decode batch vs alone", path_env[w]);
+    fails += same(c, what, _i, o[w][0], o[w][3], lse[w][0], lse[w][3], NS);
+  }
+  for (int w = 0; w < N_PATHS; w++)
+    for (int m = 0; m < 4; m++) free(o[w][m]), free(lse[w][m]);
+  for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
+}
+END_TEST
+
 /* The wgmma path against the fp64 reference (two chunks, read through the pages). */
 START_TEST(wgmma_matches_fp64_reference) {
   const tcfg *c = &cfgs[_i];
@@ -423,6 +493,7 @@ int main(void) {
   tcase_add_loop_test(tc, paths_agree_on_prefill_chunks_and_decode, 0, N_CFGS);
   tcase_add_loop_test(tc, paths_agree_in_every_split_mode, 0, N_CFGS);
   tcase_add_loop_test(tc, paths_agree_in_mixed_batches, 0, N_CFGS);
+  tcase_add_loop_test(tc, paths_agree_in_decode_batches, 0, N_CFGS);
   suite_add_tcase(su, tc);
   tc = tcase_create("accuracy");
   tcase_set_timeout(tc, 60);
