@@ -1,15 +1,19 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
-# launch (B=8 L=4k H=32 d=64, causal).
+# launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth (tests/cuda/readbw.cu).
 set -u
 what=${1:-all}
 quick=${2:-}
 OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
+if [ "$what" = ceiling ]; then
+  nvcc -O3 -gencode arch=compute_90,code=sm_90 tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" | tee "$OUT/ceiling.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 eval "$(bash .devdeps/unpack.sh)"
 # Some .pc files name /usr paths directly; point them at the unpacked tree too.
 sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
