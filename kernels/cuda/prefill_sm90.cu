@@ -26,7 +26,8 @@
  * tiles arrive by TMA in 128-byte-swizzled [64][64] boxes (one per page chunk and 64
  * columns); tiles at the edge of the key range get the rows outside it zeroed by the
  * producer before they are published, so poison (unwritten pages, NaN in tests) never
- * reaches an MMA.
+ * reaches an MMA. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel):
+ * each consumer warpgroup with a producer warp and a share of the stages of its own.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
