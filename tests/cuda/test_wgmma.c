@@ -222,6 +222,30 @@ START_TEST(paths_agree_on_prefill_chunks_and_decode) {
 }
 END_TEST
 
+/* The split modes of the split-mode tests: o[w][m] and lse[w][m] are path w's rows (n
+ * tokens) in mode m. */
+static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
+static const char *mode_names[] = {"in-row", "partial", "auto"};
+#define N_MODES 3
+
+/* Each wgmma path in every mode against mma.sync, and its in-row rows against its partial
+ * ones; what prefixes the lines. Returns how many comparisons differ. */
+static int modes_agree(const tcfg *c, int cfg_i, const char *what, uint16_t *const o[][N_MODES + 1],
+                       float *const lse[][N_MODES + 1], int n) {
+  char line[96];
+  int fails = 0;
+  for (int w = 1; w < N_PATHS; w++) {
+    if (!path_on[w]) continue;
+    for (int m = 0; m < N_MODES; m++) {
+      snprintf(line, sizeof(line), "%s%s: mma.sync vs %s", what, mode_names[m], path_env[w]);
+      fails += same(c, line, cfg_i, o[0][m], o[w][m], lse[0][m], lse[w][m], n);
+    }
+    snprintf(line, sizeof(line), "%s: %sin-row vs partial", path_env[w], what);
+    fails += same(c, line, cfg_i, o[w][0], o[w][1], lse[w][0], lse[w][1], n);
+  }
+  return fails;
+}
+
 /* In-row, partial and auto split modes on the wgmma path equal each other and mma.sync. */
 START_TEST(paths_agree_in_every_split_mode) {
   const tcfg *c = &cfgs[_i];
@@ -232,10 +256,8 @@ START_TEST(paths_agree_in_every_split_mode) {
   seq s;
   seq_init(&s, c, n, &r, used);
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
-  static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
-  static const char *names[] = {"in-row", "partial", "auto"};
-  uint16_t *o[N_PATHS][3] = {{NULL}};
-  float *lse[N_PATHS][3] = {{NULL}};
+  uint16_t *o[N_PATHS][N_MODES + 1] = {{NULL}};
+  float *lse[N_PATHS][N_MODES + 1] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
     if (!path_on[w]) continue;
@@ -243,7 +265,7 @@ START_TEST(paths_agree_in_every_split_mode) {
     da_append ap = mk_append(c, &s, 1, 0, n);
     da_batch b0 = {.appends = &ap, .n_appends = 1};
     run_ok(&p, &b0);
-    for (int m = 0; m < 3; m++) {
+    for (int m = 0; m < N_MODES; m++) {
       o[w][m] = malloc(no * 2), lse[w][m] = malloc(nl * 4);
       da_attn at = mk_attn(c, &s, 1, 0, n, o[w][m], lse[w][m]);
       da_batch b = {.attns = &at, .n_attns = 1, .split_mode = modes[m]};
@@ -251,18 +273,9 @@ START_TEST(paths_agree_in_every_split_mode) {
     }
     close_path(&p);
   }
-  char what[80];
-  for (int w = 1; w < N_PATHS; w++) {
-    if (!path_on[w]) continue;
-    for (int m = 0; m < 3; m++) {
-      snprintf(what, sizeof(what), "%s: mma.sync vs %s", names[m], path_env[w]);
-      fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], n);
-    }
-    snprintf(what, sizeof(what), "%s: in-row vs partial", path_env[w]);
-    fails += same(c, what, _i, o[w][0], o[w][1], lse[w][0], lse[w][1], n);
-  }
+  fails += modes_agree(c, _i, "", o, lse, n);
   for (int w = 0; w < N_PATHS; w++)
-    for (int m = 0; m < 3; m++) free(o[w][m]), free(lse[w][m]);
+    for (int m = 0; m < N_MODES; m++) free(o[w][m]), free(lse[w][m]);
   seq_fini(&s);
   ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
 }
@@ -361,12 +374,10 @@ START_TEST(paths_agree_in_decode_batches) {
   seq s[NS];
   int pos[NS];
   for (int i = 0; i < NS; i++) seq_init(&s[i], c, n, &r, used), pos[i] = (int)da_rng_range(&r, 0, n - 1);
-  static const da_split_mode modes[] = {DA_SPLIT_INROW, DA_SPLIT_PARTIAL, DA_SPLIT_AUTO};
-  static const char *names[] = {"in-row", "partial", "auto"};
   const size_t row = (size_t)c->hq * c->d;
-  /* o[w][m]: [NS][hq][d] rows of the batch in mode m; o[w][3]: each row alone (in-row). */
-  uint16_t *o[N_PATHS][4] = {{NULL}};
-  float *lse[N_PATHS][4] = {{NULL}};
+  /* o[w][m]: [NS][hq][d] rows of the batch in mode m; o[w][N_MODES]: each row alone (in-row). */
+  uint16_t *o[N_PATHS][N_MODES + 1] = {{NULL}};
+  float *lse[N_PATHS][N_MODES + 1] = {{NULL}};
   int fails = 0;
   for (int w = 0; w < N_PATHS; w++) {
     if (!path_on[w]) continue;
@@ -376,7 +387,7 @@ START_TEST(paths_agree_in_decode_batches) {
       da_batch b = {.appends = &ap, .n_appends = 1};
       run_ok(&p, &b);
     }
-    for (int m = 0; m < 4; m++) {
+    for (int m = 0; m <= N_MODES; m++) {
       o[w][m] = malloc(NS * row * 2), lse[w][m] = malloc(NS * (size_t)c->hq * 4);
       ck_assert(o[w][m] && lse[w][m]);
     }
@@ -384,9 +395,9 @@ START_TEST(paths_agree_in_decode_batches) {
     for (int i = 0; i < NS; i++)
       at[i] = (da_attn){.layer = 1, .q_pos = pos[i], .n_q = 1, .pages = s[i].pages, .n_pages = s[i].n_pages,
                         .q = s[i].q + (size_t)pos[i] * row};
-    for (int m = 0; m < 4; m++) {
+    for (int m = 0; m <= N_MODES; m++) {
       for (int i = 0; i < NS; i++) at[i].o = o[w][m] + i * row, at[i].lse = lse[w][m] + (size_t)i * c->hq;
-      if (m < 3) {
+      if (m < N_MODES) {
         da_batch b = {.attns = at, .n_attns = NS, .split_mode = modes[m]};
         run_ok(&p, &b);
       } else {
@@ -398,20 +409,15 @@ START_TEST(paths_agree_in_decode_batches) {
     }
     close_path(&p);
   }
-  char what[80];
+  fails += modes_agree(c, _i, "decode ", o, lse, NS);
   for (int w = 1; w < N_PATHS; w++) {
     if (!path_on[w]) continue;
-    for (int m = 0; m < 3; m++) {
-      snprintf(what, sizeof(what), "decode %s: mma.sync vs %s", names[m], path_env[w]);
-      fails += same(c, what, _i, o[0][m], o[w][m], lse[0][m], lse[w][m], NS);
-    }
-    snprintf(what, sizeof(what), "%s: decode in-row vs partial", path_env[w]);
-    fails += same(c, what, _i, o[w][0], o[w][1], lse[w][0], lse[w][1], NS);
+    char what[80];
     snprintf(what, sizeof(what), "%s: decode batch vs alone", path_env[w]);
-    fails += same(c, what, _i, o[w][0], o[w][3], lse[w][0], lse[w][3], NS);
+    fails += same(c, what, _i, o[w][0], o[w][N_MODES], lse[w][0], lse[w][N_MODES], NS);
   }
   for (int w = 0; w < N_PATHS; w++)
-    for (int m = 0; m < 4; m++) free(o[w][m]), free(lse[w][m]);
+    for (int m = 0; m <= N_MODES; m++) free(o[w][m]), free(lse[w][m]);
   for (int i = 0; i < NS; i++) seq_fini(&s[i]);
   ck_assert_msg(fails == 0, "cfg %d: %d comparisons differ (seed %llu)", _i, fails, (unsigned long long)g_seed);
 }
