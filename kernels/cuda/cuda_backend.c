@@ -538,8 +538,9 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     }
   }
   /* Decode rows only (every block of at most 16 rows), all in-row: the launch runs as pipes
-   * (prefill_sm90.cu). Measured 1-3 % faster at B 32-128 and 0.5-1 % slower on partial
-   * batches (B 1-8) on an H200 (NOTES.md v5.3), so those keep the one ring. */
+   * (prefill_sm90.cu). Same-run A/Bs (NOTES.md v5.3): B 32 1-3 % faster on an H200 and 0-1.4 %
+   * on an H100, B 64-128 0-2 %; batches with partials (B 1-8) 0.5-1 % slower, so they keep
+   * the one ring. */
   pl->pipes = c->sm90_pipes && pl->partial_rows == 0 ? DA_CU_SM90_N_PIPES : 1;
   for (int i = 0; i < b->n_attns; i++)
     if ((int64_t)b->attns[i].n_q * G > 16) pl->pipes = 1;

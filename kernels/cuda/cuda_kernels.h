@@ -108,7 +108,8 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
 /* or'ed into variant where every item has at most 64 rows (decode): each CTA runs
  * DA_CU_SM90_N_PIPES independent pipelines (a producer warp, a consumer warpgroup and a
  * share of the K/V stages each), taking items b * N + w, stepping gridDim.x * N; with
- * DA_CU_SM90_PER_ITEM, N items a CTA. Same bits. */
+ * DA_CU_SM90_PER_ITEM, N items a CTA. On a persistent grid only where the items outnumber
+ * the CTAs (else one item a CTA). Same bits. */
 #define DA_CU_SM90_PIPES 0x20
 #define DA_CU_SM90_N_PIPES 2
 int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream);
