@@ -38,12 +38,17 @@ def main():
     names = {re.sub(r"^pre-(.*)-(x?[\dx]+)-\d+\.csv$", r"\1", os.path.basename(p))
              for p in glob.glob(os.path.join(out, "pre-*.csv"))}
     old = load(out, "pre-old-*.csv")
-    table("prefill", old, load(out, "pre-new-*.csv"))
-    for v in sorted(names - {"old", "new"}):
-        table(f"prefill, {v}", old, load(out, f"pre-{v}-*.csv"))
+    if old:
+        table("prefill", old, load(out, "pre-new-*.csv"))
+        for v in sorted(names - {"old", "new"}):
+            table(f"prefill, {v}", old, load(out, f"pre-{v}-*.csv"))
     dec_old = load(out, "dec-old-*.csv")
     if dec_old:
         table("decode", dec_old, load(out, "dec-new-*.csv"))
+        dec_names = {re.sub(r"^dec-(.*)-\d+-\d+\.csv$", r"\1", os.path.basename(p))
+                     for p in glob.glob(os.path.join(out, "dec-*.csv"))}
+        for v in sorted(dec_names - {"old", "new"}):
+            table(f"decode, {v}", dec_old, load(out, f"dec-{v}-*.csv"))
     peers_path = os.path.join(out, "peers.csv")
     if not os.path.exists(peers_path):
         return

@@ -10,7 +10,12 @@
 # Environment (defaults in brackets):
 #   ROUNDS [2]        interleaved rounds of every prefill case
 #   SPLITS [512 2048] split sizes S of the prefill rounds
-#   DECODE [0]        1: decode table too (ROUNDS rounds per split of DEC_SPLITS [512])
+#   PREFILL [1]       0: no prefill rounds (a decode-only A/B)
+#   DECODE [0]        1: decode rounds too (ROUNDS rounds per split of DEC_SPLITS [512]): the
+#                     bench's decode table, or only DEC_SHAPES
+#   DEC_SHAPES []     "B L,B L,...": those decode shapes (--one-decode) instead of the table
+#   DEC_VARIANTS []   "name:VAR=val[+VAR=val] ...": environments of the new build run in the
+#                     decode rounds as well, e.g. "ring:DA_CUDA_SM90_DECODE=1"
 #   EXTRA  []         extra causal prefills of the 32/8-head d-128 model, "BxL ..."
 #   VARIANTS []       DA_CUDA_PREFILL values run on the new build as well
 #   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1
@@ -49,6 +54,7 @@ NEW="build-gpu/bin/detattn-bench --backend cuda"
 OLDB="build-ab-old/bin/detattn-bench --backend cuda"
 VAR="build-ab-var/bin/detattn-bench --backend cuda"
 for r in $(seq 1 "${ROUNDS:-2}"); do
+  [ "${PREFILL:-1}" = 1 ] || break
   for S in ${SPLITS:-512 2048}; do
     $OLDB --prefill-only --split "$S" > "$OUT/pre-old-$S-$r.csv" 2>> "$OUT/bench.err"
     $NEW --prefill-only --split "$S" > "$OUT/pre-new-$S-$r.csv" 2>> "$OUT/bench.err"
@@ -63,11 +69,30 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   done
 done
 stamp prefill rounds
+# dec CSV COMMAND...: the decode rows at split S of one build into CSV (one header).
+dec() {
+  local f=$1 b l
+  shift
+  if [ -z "${DEC_SHAPES:-}" ]; then
+    "$@" --decode-only --split "$S" > "$f" 2>> "$OUT/bench.err"
+    return
+  fi
+  : > "$f"
+  while read -r b l; do
+    [ -n "$b" ] || continue
+    "$@" --one-decode "$b" "$l" --split "$S" 2>> "$OUT/bench.err" > "$f.one"
+    if [ -s "$f" ]; then tail -n +2 "$f.one" >> "$f"; else cat "$f.one" > "$f"; fi
+  done <<< "$(tr , '\n' <<< "$DEC_SHAPES")"
+  rm -f "$f.one"
+}
 if [ "${DECODE:-0}" = 1 ]; then
   for r in $(seq 1 "${ROUNDS:-2}"); do
     for S in ${DEC_SPLITS:-512}; do
-      $OLDB --decode-only --split "$S" > "$OUT/dec-old-$S-$r.csv" 2>> "$OUT/bench.err"
-      $NEW --decode-only --split "$S" > "$OUT/dec-new-$S-$r.csv" 2>> "$OUT/bench.err"
+      dec "$OUT/dec-old-$S-$r.csv" $OLDB
+      dec "$OUT/dec-new-$S-$r.csv" $NEW
+      for v in ${DEC_VARIANTS:-}; do
+        dec "$OUT/dec-${v%%:*}-$S-$r.csv" env $(tr + ' ' <<< "${v#*:}") $NEW
+      done
     done
   done
   stamp decode rounds
