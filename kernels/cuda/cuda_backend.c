@@ -199,31 +199,51 @@ static struct flight *flights_alloc(void);
 #define DA_CUDA_PREFILL_DEFAULT(head_dim) \
   ((head_dim) == 64 ? DA_CU_SM90_PIPELINED : (head_dim) == 128 ? DA_CU_SM90_PINGPONG : 0)
 
-/* DA_CUDA_PREFILL (tests and benchmarks): mma (attn.cu), wgmma (the default wgmma variant),
- * wgmma-serial, wgmma-pipelined, wgmma-pingpong. */
-static int prefill_path(const char *env, int head_dim, int *path, char *err, size_t errlen) {
-  static const struct {
-    const char *name;
-    int path;
-  } names[] = {{"mma", 0},
-               {"wgmma-serial", DA_CU_SM90_SERIAL},
-               {"wgmma-pipelined", DA_CU_SM90_PIPELINED},
-               {"wgmma-pingpong", DA_CU_SM90_PINGPONG}};
-  *path = DA_CUDA_PREFILL_DEFAULT(head_dim);
+/* A path switch (tests and benchmarks): the value of environment variable var among its
+ * choices, dflt when unset or empty; anything else fails with the choices in the message. */
+typedef struct {
+  const char *name;
+  int value;
+} env_choice;
+
+static int env_pick(const char *var, const env_choice *ch, size_t n, int dflt, int *out, char *err, size_t errlen) {
+  const char *env = getenv(var);
+  *out = dflt;
   if (env == NULL || env[0] == '\0') return 0;
-  if (strcmp(env, "wgmma") == 0) {
-    if (*path == 0) *path = DA_CU_SM90_PIPELINED;
-    return 0;
-  }
-  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-    if (strcmp(env, names[i].name) == 0) {
-      *path = names[i].path;
+  for (size_t i = 0; i < n; i++) {
+    if (strcmp(env, ch[i].name) == 0) {
+      *out = ch[i].value;
       return 0;
     }
   }
-  snprintf(err, errlen, "cuda: DA_CUDA_PREFILL=%s: expected mma, wgmma, wgmma-serial, wgmma-pipelined or wgmma-pingpong",
-           env);
+  int k = snprintf(err, errlen, "cuda: %s=%s: expected", var, env);
+  for (size_t i = 0; i < n && k > 0 && (size_t)k < errlen; i++)
+    k += snprintf(err + k, errlen - (size_t)k, "%s %s", i == 0 ? "" : i + 1 == n ? " or" : ",", ch[i].name);
   return DETATTN_INVALID_ARGUMENT;
+}
+
+/* DA_CUDA_PREFILL: mma (attn.cu), wgmma (the head_dim's default wgmma variant, pipelined
+ * where the default is mma), wgmma-serial, wgmma-pipelined, wgmma-pingpong. */
+static int prefill_path(int head_dim, int *path, char *err, size_t errlen) {
+  enum { WGMMA_DEFAULT = -1 };
+  static const env_choice names[] = {{"mma", 0},
+                                     {"wgmma", WGMMA_DEFAULT},
+                                     {"wgmma-serial", DA_CU_SM90_SERIAL},
+                                     {"wgmma-pipelined", DA_CU_SM90_PIPELINED},
+                                     {"wgmma-pingpong", DA_CU_SM90_PINGPONG}};
+  const int dflt = DA_CUDA_PREFILL_DEFAULT(head_dim);
+  const int rv = env_pick("DA_CUDA_PREFILL", names, sizeof(names) / sizeof(names[0]), dflt, path, err, errlen);
+  if (*path == WGMMA_DEFAULT) *path = dflt != 0 ? dflt : DA_CU_SM90_PIPELINED;
+  return rv;
+}
+
+/* DA_CUDA_SM90_DECODE, where decode-only batches run on sm_90: 0 attn.cu, 1 prefill_sm90.cu's
+ * one ring, pipes (the default), pipes-serial (pipes in the serial form). */
+enum { DEC_ATTN, DEC_RING, DEC_PIPES, DEC_PIPES_SERIAL };
+static int decode_path(int *dec, char *err, size_t errlen) {
+  static const env_choice names[] = {
+      {"0", DEC_ATTN}, {"1", DEC_RING}, {"pipes", DEC_PIPES}, {"pipes-serial", DEC_PIPES_SERIAL}};
+  return env_pick("DA_CUDA_SM90_DECODE", names, sizeof(names) / sizeof(names[0]), DEC_PIPES, dec, err, errlen);
 }
 
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
@@ -273,16 +293,10 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
 
   const da_model *m = &cfg->model;
   {
-    int path = 0;
-    rv = prefill_path(getenv("DA_CUDA_PREFILL"), m->head_dim, &path, err, errlen);
+    int path = 0, dec = 0;
+    rv = prefill_path(m->head_dim, &path, err, errlen);
+    if (rv == 0) rv = decode_path(&dec, err, errlen);
     if (rv != 0) goto fail;
-    const char *dec = getenv("DA_CUDA_SM90_DECODE");
-    if (dec != NULL && dec[0] != '\0' && strcmp(dec, "0") != 0 && strcmp(dec, "1") != 0 &&
-        strcmp(dec, "pipes") != 0 && strcmp(dec, "pipes-serial") != 0) {
-      snprintf(err, errlen, "cuda: DA_CUDA_SM90_DECODE=%s: expected 0, 1, pipes or pipes-serial", dec);
-      rv = DETATTN_INVALID_ARGUMENT;
-      goto fail;
-    }
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
     const char *grid = getenv("DA_CUDA_SM90_GRID");
@@ -290,13 +304,12 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     else if (grid != NULL && atoi(grid) > 0) c->sm90_grid = atoi(grid);
     /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
      * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
-    c->sm90_decode = c->sm90_prefill && !(dec != NULL && strcmp(dec, "0") == 0);
+    c->sm90_decode = c->sm90_prefill && dec != DEC_ATTN;
     /* Decode-only batches as pipes (prefill_sm90.cu): two warpgroups' latency chains per SM
      * instead of one (NOTES.md v5.3). DA_CUDA_SM90_DECODE=1: one shared pipeline (A/B). */
-    if (c->sm90_decode && !(dec != NULL && strcmp(dec, "1") == 0))
-      c->sm90_pipes = DA_CU_SM90_PIPES | ((dec != NULL && strcmp(dec, "pipes-serial") == 0) || path == DA_CU_SM90_SERIAL
-                                              ? DA_CU_SM90_SERIAL
-                                              : DA_CU_SM90_PIPELINED);
+    if (c->sm90_decode && dec != DEC_RING)
+      c->sm90_pipes = DA_CU_SM90_PIPES | (dec == DEC_PIPES_SERIAL || path == DA_CU_SM90_SERIAL ? DA_CU_SM90_SERIAL
+                                                                                               : DA_CU_SM90_PIPELINED);
 #else
     (void)path, (void)dec;
 #endif
@@ -503,6 +516,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* In-row when it already gives about two resident CTAs per SM: measured faster than
    * partials there (long CTAs, no combine); both give the same bits. */
   const int64_t busy = 3 * (int64_t)c->n_sm / 2;
+  int64_t max_block_rows = 0; /* the most rows of an attention's block, n_q G */
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -518,6 +532,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
       else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = 1;
     }
     pl->partial[i] = (unsigned char)part;
+    if ((int64_t)a->n_q * G > max_block_rows) max_block_rows = (int64_t)a->n_q * G;
     if (part) slots_free -= need, pl->slots += need;
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
@@ -540,10 +555,8 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* Decode rows only (every block of at most 16 rows), all in-row: the launch runs as pipes
    * (prefill_sm90.cu). Same-run A/Bs (NOTES.md v5.3): B 32 1-3 % faster on an H200 and 0-1.4 %
    * on an H100, B 64-128 0-2 %; batches with partials (B 1-8) 0.5-1 % slower, so they keep
-   * the one ring. */
-  pl->pipes = c->sm90_pipes && pl->partial_rows == 0 ? DA_CU_SM90_N_PIPES : 1;
-  for (int i = 0; i < b->n_attns; i++)
-    if ((int64_t)b->attns[i].n_q * G > 16) pl->pipes = 1;
+   * the one ring (still 0-3.5 % slower as pipes with v5.4's 8-row boxes). */
+  pl->pipes = c->sm90_pipes && pl->partial_rows == 0 && max_block_rows <= 16 ? DA_CU_SM90_N_PIPES : 1;
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
    * on its own (the bits do not depend on per). A wave is the persistent grid's CTAs where
    * prefill_sm90.cu runs every item (sm90_decode: one CTA per SM, items round-robin), else
