@@ -18,6 +18,8 @@
 #                     decode rounds as well, e.g. "ring:DA_CUDA_SM90_DECODE=1"
 #   EXTRA  []         extra causal prefills of the 32/8-head d-128 model, "BxL ..."
 #   VARIANTS []       DA_CUDA_PREFILL values run on the new build as well
+#   PRE_VARIANTS []   "name:VAR=val[+VAR=val] ...": environments of the new build run in the
+#                     prefill rounds as well (as DEC_VARIANTS in the decode rounds)
 #   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1
 #   CTEST [1]         1: the gpu-labelled tests on the new build
 #   PEERS [0]         1: PyTorch SDPA prefill peers, ratios for old and new
@@ -61,6 +63,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     [ -n "${VFLAGS:-}" ] && $VAR --prefill-only --split "$S" > "$OUT/pre-var-$S-$r.csv" 2>> "$OUT/bench.err"
     for v in ${VARIANTS:-}; do
       DA_CUDA_PREFILL=$v $NEW --prefill-only --split "$S" > "$OUT/pre-$v-$S-$r.csv" 2>> "$OUT/bench.err"
+    done
+    for v in ${PRE_VARIANTS:-}; do
+      env $(tr + ' ' <<< "${v#*:}") $NEW --prefill-only --split "$S" > "$OUT/pre-${v%%:*}-$S-$r.csv" 2>> "$OUT/bench.err"
     done
   done
   for bl in ${EXTRA:-}; do
