@@ -555,7 +555,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* Decode rows only (every block of at most 16 rows), all in-row: the launch runs as pipes
    * (prefill_sm90.cu). Same-run A/Bs (NOTES.md v5.3): B 32 1-3 % faster on an H200 and 0-1.4 %
    * on an H100, B 64-128 0-2 %; batches with partials (B 1-8) 0.5-1 % slower, so they keep
-   * the one ring (still 0-3.5 % slower as pipes with v5.4's 8-row boxes). */
+   * the one ring. */
   pl->pipes = c->sm90_pipes && pl->partial_rows == 0 && max_block_rows <= 16 ? DA_CU_SM90_N_PIPES : 1;
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
    * on its own (the bits do not depend on per). A wave is the persistent grid's CTAs where

@@ -148,30 +148,28 @@ struct ring_pos {
   int st;
   uint32_t round;
   int first, end;
-  __device__ __forceinline__ void advance() {
-    if (++st == end) st = first, round++;
-  }
 };
 
 /*
  * The producer warp: for every tile of [kt_begin, kt_end], wait until the stage is free,
- * then TMA K and V (one box per chunk of R rows, R a power of two in [8, min(page_tokens,
- * 64)], and per 64 columns) onto full[stage]. Page ids come 32 chunks per warp-wide load,
- * one batch ahead of use, so no tile waits for the page table. A tile not wholly inside
- * [w0_min, p_max] loads only the chunks that meet the range, onto the aux barrier, waits for
- * them, zeroes the rows outside the range and then arrives on full[stage].
+ * then TMA K and V (one box per page chunk of min(page_tokens, 64) rows and per 64 columns)
+ * onto full[stage]. Page ids come 32 chunks per warp-wide load, one batch ahead of use, so
+ * no tile waits for the page table. A tile not wholly inside [w0_min, p_max] loads only the
+ * chunks that meet the range, onto the aux barrier, waits for them, zeroes the rows outside
+ * the range and then arrives on full[stage].
  */
 template <int D>
-__device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, int R,
-                                        uint32_t base, ring_pos &rp, uint32_t bar_aux, uint32_t &aux_ph) {
+__device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, uint32_t base,
+                                        ring_pos &rp, uint32_t bar_aux, uint32_t &aux_ph) {
   using L = layout<D>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
   const int kt_begin = ir.kt_begin, kt_end = ir.kt_end, w0_min = ir.w0_min, p_max = ir.p_max;
   const int lane = threadIdx.x & 31;
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
-  const int nchunk = BN / R; /* 1, 2, 4 or 8 (R >= 8) */
-  const int tpb = 32 / nchunk; /* tiles per page-id batch */
+  const int R = a.page_tokens < BN ? a.page_tokens : BN; /* rows per box */
+  const int nchunk = BN / R;                             /* 1, 2, 4 or 8 (page_tokens >= 8) */
+  const int tpb = 32 / nchunk;                           /* tiles per page-id batch */
   const int64_t page_rows = (int64_t)a.n_layers * 2 * a.n_kv_heads * a.page_tokens;
   const int64_t k_rows = ((int64_t)at.layer * 2 * a.n_kv_heads + it.kv_head) * a.page_tokens;
   const int64_t v_rows = (int64_t)a.n_kv_heads * a.page_tokens;
@@ -184,6 +182,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
   };
   int bt0 = kt_begin;
   int32_t ids = load_ids(bt0), ids_next = load_ids(bt0 + tpb);
+  int st = rp.st;
+  uint32_t round = rp.round;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     if (kt - bt0 == tpb) {
       bt0 += tpb;
@@ -196,8 +196,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
     const int32_t pg = lane < nchunk ? pgl : -1;
     const bool clean = k0 >= w0_min && k0 + BN - 1 <= p_max;
     const int n_load = __popc(__ballot_sync(0xffffffffu, pg >= 0));
-    const int st = rp.st;
-    mbar_wait(bar_empty + 8 * st, (rp.round & 1) ^ 1);
+    mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
     const uint32_t kd = base + L::OFF_K + st * L::STAGE_B, vd = kd + L::TILE_B;
     const uint32_t bar = clean ? bar_full + 8 * st : bar_aux;
     if (lane == 0 && n_load > 0) mbar_arrive_tx(bar, (uint32_t)n_load * chunk_bytes);
@@ -228,8 +227,9 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_full + 8 * st);
     }
-    rp.advance();
+    if (++st == rp.end) st = rp.first, round++;
   }
+  rp.st = st, rp.round = round;
 }
 
 /*
@@ -474,11 +474,11 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   uint32_t p[BN / 16][4];
   float alpha[2];
   if constexpr (!PIPE) {
-    /* Tile kt: its split j and its index inside the split. */
-    int j = kt_begin / tps, in_split = kt_begin - j * tps;
+    /* Tile kt: its stage and phase, its split j and its index inside the split. */
+    int stage = rp.st, j = kt_begin / tps, in_split = kt_begin - j * tps;
+    uint32_t round = rp.round;
     for (int kt = kt_begin; kt <= kt_end; kt++) {
-      const int stage = rp.st;
-      mbar_wait(bar_full + 8 * stage, rp.round & 1);
+      mbar_wait(bar_full + 8 * stage, round & 1);
       if (kt >= my_begin && kt <= my_end) {
         if (kt == my_begin || in_split == 0) {
           da_state_reset(st);
@@ -497,16 +497,18 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
-      rp.advance();
+      if (++stage == rp.end) stage = rp.first, round++;
       if (++in_split == tps) in_split = 0, j++;
     }
+    rp.st = stage, rp.round = round;
   } else {
     /* The CTA's range in split segments [A, B] (tiles of one split). Slot k = 0 .. B - A + 1
      * of a segment issues S of tile A + k and P V of tile A + k - 1, where they are this
      * warpgroup's (its tiles [a, b] of the segment); every warpgroup runs B - A + 2 slots per
      * segment, so the ping-pong turns pair up. The pipeline drains at split ends: finalize
      * runs with no wgmma in flight (inside the pipelined loop ptxas serializes it: C7511). */
-    int st_c = rp.first; /* the stage before rp.st (the tile being waited for) */
+    int st_n = rp.st, st_c = rp.first; /* stage of the tile being waited for, of the one before */
+    uint32_t ph_n = rp.round;
     auto turn_wait = [&]() {
       if (pingpong) {
         mbar_wait(bar_turn + 8 * cw, turn_ph);
@@ -519,14 +521,14 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         if (lane == 0) mbar_arrive(bar_turn + 8 * (cw + 1 == L::NCW ? 0 : cw + 1));
       }
     };
-    auto wait_full = [&]() { mbar_wait(bar_full + 8 * rp.st, rp.round & 1); };
+    auto wait_full = [&]() { mbar_wait(bar_full + 8 * st_n, ph_n & 1); };
     auto release_c = [&]() {
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * st_c);
     };
     auto advance = [&]() {
-      st_c = rp.st;
-      rp.advance();
+      st_c = st_n;
+      if (++st_n == rp.end) st_n = rp.first, ph_n++;
     };
     /* A slot without work of this warpgroup: t is the tile waited for (none past B), t - 1
      * the one released (none at the segment's first slot). */
@@ -545,7 +547,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       constexpr bool NEW_SPLIT = decltype(new_split)::value;
       wait_full();
       turn_wait();
-      issue_s(s, rp.st);
+      issue_s(s, st_n);
       rescale(alpha);
       issue_pv(p, st_c);
       turn_pass();
@@ -579,7 +581,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       for (; t < my_begin && t <= kt_end; t++) skip();
       if (my_begin <= my_end) {
         wait_full();
-        issue_s(s, rp.st);
+        issue_s(s, st_n);
         wg_wait<0>();
         reg_fence(s);
         softmax(s, t, alpha);
@@ -614,7 +616,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
           zero_acc();
           wait_full();
           turn_wait();
-          issue_s(s, rp.st);
+          issue_s(s, st_n);
           turn_pass();
           if (t > A) release_c();
           wg_wait<0>();
@@ -641,6 +643,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         A = B + 1;
       }
     }
+    rp.st = st_n, rp.round = ph_n;
   }
   if (partial || !active) return;
 #pragma unroll
@@ -667,8 +670,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
  * allows (~40 GB/s an SM on an H200); pipes run two such chains an SM (NOTES v5.3). */
 template <int D, bool BF16, bool PIPE, bool CAP>
 __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
-    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int box, int n, int pingpong, int pipes,
-                   int nst) {
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst) {
   using L = layout<D>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
@@ -701,7 +703,7 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
       ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
       uint32_t aux_ph = 0;
       for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
-        produce<D>(a, cta_range<D>(a, i), &tm, box, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
+        produce<D>(a, cta_range<D>(a, i), &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
     }
   } else {
     regs_inc<cta<D>::CREGS>();
@@ -734,19 +736,11 @@ encode_fn get_encode() {
   return fn;
 }
 
-/* Most rows of a K/V box (a tile's chunk of one page). Smaller boxes are more TMA requests
- * in flight, but one warp issues them one after another (NOTES v5.4, H200): pipes (two
- * producer warps, each feeding half an SM's stream) read 0.5-1 % faster with 8-row boxes
- * than with 16 (the default page), while the one ring's producer fell 30 % behind with 8. */
-constexpr int PIPE_BOX = 8, RING_BOX = BN;
-
 template <int D, bool BF16, bool PIPE, bool CAP>
 cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes, cudaStream_t stream) {
   using L = layout<D>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
-   * slab; a box is `box` rows x 64 columns, 128-byte swizzled. */
-  const int box_max = pipes > 1 ? PIPE_BOX : RING_BOX;
-  const int box = a->page_tokens < box_max ? a->page_tokens : box_max;
+   * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
   const uint64_t rows = (uint64_t)a->n_pool_pages * a->n_layers * 2 * a->n_kv_heads * a->page_tokens;
   if (rows >= (1ull << 31)) return cudaErrorInvalidValue; /* TMA coordinates are int32 */
   encode_fn encode = get_encode();
@@ -754,10 +748,10 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   CUtensorMap tm;
   const cuuint64_t dims[2] = {(cuuint64_t)D, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)D * 2};
-  const cuuint32_t box_dims[2] = {64, (cuuint32_t)box};
+  const cuuint32_t box[2] = {64, (cuuint32_t)(a->page_tokens < BN ? a->page_tokens : BN)};
   const cuuint32_t estr[2] = {1, 1};
   CUresult r = encode(&tm, BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, a->kv, dims,
-                      strides, box_dims, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
   /* The shared-memory limit is a per-device function attribute: set once per device. */
@@ -772,8 +766,7 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
     if (dev < 64) configured |= 1ull << dev;
   }
   const int nst = pipes > 1 ? L::NST_MAX : L::NST_RING;
-  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, box, n, pingpong, pipes,
-                                                                                     nst);
+  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, n, pingpong, pipes, nst);
   return cudaGetLastError();
 }
 
