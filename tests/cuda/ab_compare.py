@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Tables of a same-run A/B (tests/cuda/ab_gpu.sh): per case the minimum over rounds of the
-old build, of the new one (and of each variant), the ratio new/old; with peers.csv, each
-build's prefill ratio against PyTorch's flash and cuDNN (peer ms / ours: above 1 is faster).
+old build, of the new one (and of each variant), the ratio new/old, and the noise: the
+larger of the two builds' spreads between rounds (max / min - 1), so a ratio within it is
+not a result; with peers.csv, each build's prefill ratio against PyTorch's flash and cuDNN
+(peer ms / ours: above 1 is faster).
 Usage: ab_compare.py OUT_DIR"""
 import collections
 import csv
@@ -11,8 +13,16 @@ import re
 import sys
 
 
+class Times(dict):
+    """(kind, B, L, d, S) -> the minimum ms over rounds; .spread[key]: max / min - 1."""
+
+    def __init__(self, rows):
+        super().__init__({k: min(v) for k, v in rows.items()})
+        self.spread = {k: max(v) / min(v) - 1.0 for k, v in rows.items()}
+
+
 def load(out, pattern):
-    """(kind, B, L, d, S) -> ms of every fixed-split row of the matching csv files."""
+    """The fixed-split rows of the matching csv files (one per round)."""
     rows = collections.defaultdict(list)
     for path in sorted(glob.glob(os.path.join(out, pattern))):
         for r in csv.DictReader(open(path)):
@@ -20,15 +30,16 @@ def load(out, pattern):
                 continue
             key = (r["kind"], int(r["B"]), int(r["L"]), int(r["d"]), int(r["S"]))
             rows[key].append(float(r["ms"]))
-    return {k: min(v) for k, v in rows.items()}
+    return Times(rows)
 
 
 def table(title, old, new):
     print(f"## {title}")
-    print(f"{'case (kind, B, L, d, S)':36s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}")
+    print(f"{'case (kind, B, L, d, S)':36s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'noise':>6s}")
     for k in sorted(old):
         if k in new:
-            print(f"{str(k):36s} {old[k]:9.4f} {new[k]:9.4f} {new[k] / old[k]:8.3f}")
+            noise = max(old.spread[k], new.spread[k])
+            print(f"{str(k):36s} {old[k]:9.4f} {new[k]:9.4f} {new[k] / old[k]:8.3f} {100 * noise:5.1f}%")
 
 
 def main():
