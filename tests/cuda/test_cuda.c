@@ -376,13 +376,14 @@ START_TEST(create_rejects_other_tile_sizes) {
 END_TEST
 
 /* The path switches are checked like any input: a value the backend does not know fails
- * create() with its name in the message, and no backend is left. */
+ * create() with its name and the accepted values in the message, and no backend is left. */
 START_TEST(create_rejects_unknown_path_settings) {
   da_backend_cfg cfg = {.model = model_of(&cfgs[0]), .num = {.split_tokens = 128, .tile_tokens = 64},
                         .page_tokens = 16, .n_pages = 16};
   static const struct {
-    const char *var, *val;
-  } bad[] = {{"DA_CUDA_PREFILL", "wgmma-fast"}, {"DA_CUDA_SM90_DECODE", "yes"}};
+    const char *var, *val, *choices;
+  } bad[] = {{"DA_CUDA_PREFILL", "wgmma-fast", "expected mma, wgmma, wgmma-serial, wgmma-pipelined or wgmma-pingpong"},
+             {"DA_CUDA_SM90_DECODE", "yes", "expected 0, 1, pipes or pipes-serial"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -391,6 +392,7 @@ START_TEST(create_rejects_unknown_path_settings) {
     unsetenv(bad[i].var);
     ck_assert_int_eq(rv, DETATTN_INVALID_ARGUMENT);
     ck_assert_msg(strstr(err, bad[i].var) != NULL, "message: %s", err);
+    ck_assert_msg(strstr(err, bad[i].choices) != NULL, "message: %s", err);
     ck_assert_ptr_null(be);
   }
 }
