@@ -348,6 +348,29 @@ static int take_unit(da_sched *s, da_sched_batch *b, da_sched_queue *q, room *rm
   return 1;
 }
 
+/* Rounds over the tenants until one takes nothing or the room is spent: in a round each
+ * tenant gives one unit, from the first of its queues (taking turns) that has one to give;
+ * decode_only: only queues whose head is a decode item. */
+static void take_rounds(da_sched *s, da_sched_batch *b, room *rm, int decode_only) {
+  int progress = 1;
+  while (progress && rm->tokens > 0) {
+    progress = 0;
+    da_sched_tenant *t = s->ring;
+    do {
+      da_sched_queue *q = t->ring;
+      do {
+        if ((!decode_only || (q->head != NULL && is_decode(s, q->head))) && take_unit(s, b, q, rm)) {
+          progress = 1;
+          t->ring = q->next;
+          break;
+        }
+        q = q->next;
+      } while (q != t->ring);
+      t = t->next;
+    } while (t != s->ring && rm->tokens > 0);
+  }
+}
+
 static int ensure_storage(da_sched *s, da_sched_batch *b) {
   int cap = s->cfg.max_batch_tokens;
   if (b->cap_entries >= cap) return 0;
@@ -404,43 +427,13 @@ int da_sched_form(da_sched *s, da_sched_batch *b, uint64_t now_ns) {
     int reserve = s->cfg.max_request_tokens + s->cfg.split_tokens;
     room drm = rm;
     drm.tokens = rm.tokens - reserve;
-    int progress = drm.tokens > 0, decode_phase = progress;
-    while (progress && drm.tokens > 0) {
-      progress = 0;
-      da_sched_tenant *t = s->ring;
-      do {
-        da_sched_queue *q = t->ring;
-        do {
-          if (q->head && is_decode(s, q->head) && take_unit(s, b, q, &drm)) {
-            progress = 1;
-            t->ring = q->next;
-            break;
-          }
-          q = q->next;
-        } while (q != t->ring);
-        t = t->next;
-      } while (t != s->ring && drm.tokens > 0);
+    if (drm.tokens > 0) {
+      take_rounds(s, b, &drm, 1);
+      rm.tokens = drm.tokens + reserve;
     }
-    if (decode_phase) rm.tokens = drm.tokens + reserve;
     /* 2. Prefill chunks (and decode heads that surfaced), one unit per tenant per round,
      * each tenant's queues taking turns. */
-    progress = 1;
-    while (progress && rm.tokens > 0) {
-      progress = 0;
-      da_sched_tenant *t = s->ring;
-      do {
-        da_sched_queue *q = t->ring;
-        do {
-          if (take_unit(s, b, q, &rm)) {
-            progress = 1;
-            t->ring = q->next;
-            break;
-          }
-          q = q->next;
-        } while (q != t->ring);
-        t = t->next;
-      } while (t != s->ring && rm.tokens > 0);
-    }
+    take_rounds(s, b, &rm, 0);
     /* The next batch starts from the next tenant; queues that ran dry leave the rings. */
     da_sched_tenant *t0 = s->ring;
     s->ring = t0->next;
