@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -162,4 +163,19 @@ void da_test_poison_f32(float *dst, size_t n) {
 void da_test_sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
+}
+
+int da_test_capture(const char *cmd, char *out, size_t cap) {
+  FILE *p = popen(cmd, "r");
+  if (p == NULL) return -1;
+  size_t len = 0;
+  char sink[512];
+  for (;;) {
+    const size_t room = cap > len + 1 ? cap - len - 1 : 0;
+    const size_t n = room > 0 ? fread(out + len, 1, room, p) : fread(sink, 1, sizeof sink, p);
+    if (n == 0) break;
+    if (room > 0) len += n;
+  }
+  if (cap > 0) out[len] = '\0';
+  return pclose(p);
 }

@@ -1,9 +1,9 @@
 /*
  * testutil.h — helpers shared by the detattn test suites (static library da_testutil).
  *
- * The Check runner every test program's main() ends with, small file and time helpers, an fp64 reference attention over
- * plain contiguous K/V, random page tables, seeded random tensors, bitwise comparison and
- * relative error. Everything is single-threaded, allocates
+ * The Check runner every test program's main() ends with, small file, time and subprocess
+ * helpers, an fp64 reference attention over plain contiguous K/V, random page tables, seeded
+ * random tensors, bitwise comparison and relative error. Everything is single-threaded, allocates
  * only where it says so, and never touches a backend: tests build their batches with it and
  * run them through kernels/backend.h themselves.
  *
@@ -37,6 +37,11 @@ void da_test_write_file(const char *path, const char *text);
 
 /* Sleeps ms milliseconds (nanosleep; a signal may cut it short). */
 void da_test_sleep_ms(int ms);
+
+/* Runs cmd with /bin/sh (popen) and reads all it writes to stdout into out (at most cap - 1
+ * bytes kept, always NUL-terminated, the rest read and dropped so the command never blocks).
+ * Returns its wait status (WIFEXITED, WEXITSTATUS), or -1 if it could not be started. */
+int da_test_capture(const char *cmd, char *out, size_t cap);
 
 /* The seed for a test: the environment variable DETATTN_TEST_SEED (decimal or 0x hex) if it
  * is set, else deflt. Print it in every failure message so a failure can be replayed. */

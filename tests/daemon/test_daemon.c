@@ -134,18 +134,9 @@ END_TEST
 
 START_TEST(cli_verify_exits_zero_and_reports_json) {
   char cmd[512], out[8192];
-  size_t len = 0;
   snprintf(cmd, sizeof cmd, "%s --url %s verify --clients 8 --seqs 12 --check-ref --json --seed %llu",
            DETATTN_CLI_PATH, D.url, (unsigned long long)seed);
-  FILE *p = popen(cmd, "r");
-  ck_assert_ptr_nonnull(p);
-  while (len < sizeof out - 1) {
-    size_t n = fread(out + len, 1, sizeof out - 1 - len, p);
-    if (n == 0) break;
-    len += n;
-  }
-  out[len] = '\0';
-  int status = pclose(p);
+  int status = da_test_capture(cmd, out, sizeof out);
   ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "detattn verify exited 0x%x: %s (seed %llu)", status,
                 out, (unsigned long long)seed);
   cJSON *j = cJSON_Parse(out);
@@ -248,18 +239,9 @@ END_TEST
 
 START_TEST(ipc_bench_is_bounded_and_reports_both_loops) {
   char cmd[1024], out[4096];
-  size_t len = 0;
   snprintf(cmd, sizeof cmd, "%s --url %s --seconds 0.3 --json", DETATTN_IPCBENCH_PATH, D.url);
   uint64_t t0 = da_now_ns();
-  FILE *p = popen(cmd, "r");
-  ck_assert_ptr_nonnull(p);
-  while (len < sizeof out - 1) {
-    size_t n = fread(out + len, 1, sizeof out - 1 - len, p);
-    if (n == 0) break;
-    len += n;
-  }
-  out[len] = '\0';
-  int status = pclose(p);
+  int status = da_test_capture(cmd, out, sizeof out);
   double secs = (double)(da_now_ns() - t0) * 1e-9;
   ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "detattn-ipc-bench exited 0x%x: %s", status, out);
   ck_assert_msg(secs < 10, "detattn-ipc-bench --seconds 0.3 took %.1f s", secs);

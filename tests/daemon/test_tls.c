@@ -109,11 +109,8 @@ static int run_daemon(const char *const *args, char *out, size_t len) {
                    DETATTND_PATH);
   for (int i = 0; args[i]; i++) n += snprintf(cmd + n, sizeof cmd - (size_t)n, " %s", args[i]);
   snprintf(cmd + n, sizeof cmd - (size_t)n, " 2>&1");
-  FILE *p = popen(cmd, "r");
-  size_t got = fread(out, 1, len - 1, p);
-  out[got] = '\0';
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  const int st = da_test_capture(cmd, out, len);
+  return st != -1 && WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 START_TEST(unsafe_listen_urls_are_refused_at_start) {
