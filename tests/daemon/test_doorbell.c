@@ -838,10 +838,9 @@ START_TEST(a_doorbell_call_past_its_deadline_fails_and_its_slot_comes_back) {
 }
 END_TEST
 
-START_TEST(a_draining_daemon_answers_unavailable_through_the_ring) {
-  static const char *const extra[] = {"--wait-us", "300000", NULL};
-  start(extra);
-  detattn_client *c = connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 20000);
+/* A one-token Forward on a new sequence of c, its tensors in c's arena, started and left in
+ * flight (the caller waits for it). */
+static detattn_call *forward_in_flight(detattn_client *c) {
   uint64_t seq;
   ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
   uint16_t *q = detattn_arena_alloc(c, QROW), *kv = detattn_arena_alloc(c, KVROW), *o = detattn_arena_alloc(c, QROW);
@@ -851,6 +850,14 @@ START_TEST(a_draining_daemon_answers_unavailable_through_the_ring) {
   detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = 1, .q = q, .k = kv, .v = kv, .o = o};
   detattn_call *k;
   ck_assert_int_eq(detattn_forward_start(c, 0, &io, 1, &k), DETATTN_OK);
+  return k;
+}
+
+START_TEST(a_draining_daemon_answers_unavailable_through_the_ring) {
+  static const char *const extra[] = {"--wait-us", "300000", NULL};
+  start(extra);
+  detattn_client *c = connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 20000);
+  detattn_call *k = forward_in_flight(c);
   da_test_sleep_ms(30); /* the Forward waits in the daemon */
   double bell0 = metric(VIA_BELL);
   kill(D.pid, SIGTERM);
@@ -875,15 +882,7 @@ START_TEST(a_daemon_killed_fails_the_doorbell_calls_in_flight_at_once) {
   static const char *const extra[] = {"--wait-us", "1000000", NULL};
   start(extra);
   detattn_client *c = connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 30000);
-  uint64_t seq;
-  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
-  uint16_t *q = detattn_arena_alloc(c, QROW), *kv = detattn_arena_alloc(c, KVROW), *o = detattn_arena_alloc(c, QROW);
-  ck_assert(q && kv && o);
-  memset(q, 0x3c, QROW);
-  memset(kv, 0x3b, KVROW);
-  detattn_seq_io io = {.seq = seq, .pos = 0, .n_tokens = 1, .q = q, .k = kv, .v = kv, .o = o};
-  detattn_call *k;
-  ck_assert_int_eq(detattn_forward_start(c, 0, &io, 1, &k), DETATTN_OK);
+  detattn_call *k = forward_in_flight(c);
   da_test_sleep_ms(50); /* taken, and waiting a second for company */
   kill(D.pid, SIGKILL);
   uint64_t t0 = da_now_ns();
