@@ -9,10 +9,11 @@
  * Prefill: B 8 x L 4096 x H 32 at d 64 and 128, and B 2 x L 16384 x H 32 at d 128, causal
  * (the contract is causal; non-causal rows are reported for the peers only).
  * Prints one CSV line per case (header "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,
- * combine_ms,kv_tbs,tflops"), the input of clients/bench/sdpa_peer.py --ours. ms is the
- * whole step (attention then combine, no event between them, so the combine starts as a
- * programmatic dependent as in the daemon), attn_ms the attention alone, combine_ms the
- * difference: what the combine adds to a step.
+ * combine_ms,kv_tbs,tflops,lat_ms"), the input of clients/bench/sdpa_peer.py --ours. ms is
+ * the whole step (attention then combine, no event between them, so the combine starts as a
+ * programmatic dependent as in the daemon), timed over steps run back to back as the peers
+ * are timed; attn_ms the attention alone, the same way; combine_ms the difference: what the
+ * combine adds to a step; lat_ms one step from an idle stream, the host's launch included.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,11 +73,10 @@ static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mo
     fprintf(stderr, "bench cuda: prepare %s B=%d L=%d: %s\n", s->kind, s->B, s->L, res.err);
     return rv;
   }
-  double ta, tc;
-  int n_sm;
-  rv = da_cuda_bench_time(ctx, 3, iters, &ta, &tc, &n_sm);
+  da_cuda_times t;
+  rv = da_cuda_bench_time(ctx, 3, iters, &t);
   if (rv != 0) return rv;
-  const double ms = ta + tc;
+  const double ms = t.step_ms;
   double kv_bytes, flops;
   if (n_q == 1) {
     kv_bytes = (double)s->B * s->L * s->hkv * s->d * 4.0;
@@ -85,9 +85,9 @@ static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mo
     kv_bytes = (double)s->B * s->L * s->hkv * s->d * 4.0;
     flops = 4.0 * s->B * s->hq * s->d * ((double)n_q * (n_q + 1) / 2.0);
   }
-  printf("%s,%d,%d,%d,%d,%d,1,%s%s,%d,%.4f,%.4f,%.4f,%.3f,%.1f\n", s->kind, s->B, s->L, s->hq,
-         s->hkv, s->d, label, res.partial_rows > 0 ? "+partial" : "+inrow", S, ms, ta, tc,
-         kv_bytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12);
+  printf("%s,%d,%d,%d,%d,%d,1,%s%s,%d,%.4f,%.4f,%.4f,%.3f,%.1f,%.4f\n", s->kind, s->B, s->L, s->hq,
+         s->hkv, s->d, label, res.partial_rows > 0 ? "+partial" : "+inrow", S, ms, t.attn_ms, ms - t.attn_ms,
+         kv_bytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12, t.lat_ms);
   fflush(stdout);
   return 0;
 }
@@ -151,7 +151,7 @@ int da_bench_cuda(int argc, char **argv) {
       do_decode = 0;
     }
   }
-  printf("kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops\n");
+  printf("kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops,lat_ms\n");
   int rv = 0;
   void *ctx = NULL;
   int n_sm = 132;
@@ -168,7 +168,6 @@ int da_bench_cuda(int argc, char **argv) {
     int32_t *perm = shuffled(pages_of(max_tokens), contiguous ? 0 : 1);
     if (contiguous)
       for (int64_t i = 0; i < pages_of(max_tokens); i++) perm[i] = (int32_t)i;
-    double ta, tc;
     const size_t nb = one_b > 0 ? 1 : sizeof(Bs) / sizeof(Bs[0]), nl = one_b > 0 ? 1 : sizeof(Ls) / sizeof(Ls[0]);
     for (size_t bi = 0; bi < nb; bi++) {
       for (size_t li = 0; li < nl; li++) {
@@ -177,7 +176,10 @@ int da_bench_cuda(int argc, char **argv) {
         if (quick && s.B > 8) continue;
         rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20);
         if (rv != 0) goto out;
-        if (bi == 0 && li == 0) da_cuda_bench_time(ctx, 0, 1, &ta, &tc, &n_sm);
+        if (bi == 0 && li == 0) {
+          da_cuda_times t;
+          if (da_cuda_bench_time(ctx, 0, 0, &t) == 0) n_sm = t.n_sm; /* no runs: the SM count */
+        }
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
         if (one_b > 0) continue;
         rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20);

@@ -130,9 +130,11 @@ def main():
                        0 if r["kind"] == "decode" else int(r["causal"]))
                 ours.setdefault(key, {})[r["mode"].split("+")[0]] = r
     print(f"device: {dev}, torch {torch.__version__}")
+    # ours ms and the peers' ms: calls back to back, events around the loop (the GPU's time a
+    # call); ours lat: one step from an idle stream, the host's launch included.
     print("| kind | B | L | d | causal | ours ms | ours TB/s | ours TFLOP/s | combine % "
-          "| occS ms | flash ms | x flash | flash inv | cudnn ms | x cudnn | cudnn inv |")
-    print("|---" * 16 + "|")
+          "| ours lat | occS ms | flash ms | x flash | flash inv | cudnn ms | x cudnn | cudnn inv |")
+    print("|---" * 17 + "|")
     peers = {}
     for r in rows:
         peers.setdefault((r["kind"], r["B"], r["L"], r["d"], r["causal"]), {})[r["peer"]] = r
@@ -145,6 +147,7 @@ def main():
                  f"{ms:.4f}" if ms else "-",
                  fx["kv_tbs"] if fx else "-", fx["tflops"] if fx else "-",
                  f"{100 * float(fx['combine_ms']) / ms:.1f}" if fx else "-",
+                 fx.get("lat_ms") or "-" if fx else "-",
                  oc["ms"] if oc else "-"]
         for name in PEERS:
             p = pr.get(name, {})

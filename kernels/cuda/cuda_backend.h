@@ -22,13 +22,19 @@ int da_cuda_bench_fill_kv(void *ctx, uint64_t seed);
 int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64_t q_seed,
                           da_batch_result *res);
 
-/* Replays the prepared attention and combine kernels: warmup runs, then iters timed runs
- * with CUDA events of the whole step (no event between the two kernels, so the combine
- * launches as a programmatic dependent as in a real step) and of the attention alone; the
- * mean ms of the attention alone and what the combine adds (step minus attention).
- * n_sm: the device's SM count. */
-int da_cuda_bench_time(void *ctx, int warmup, int iters, double *ms_attn, double *ms_combine,
-                       int *n_sm);
+/* Times of a prepared batch (da_cuda_bench_time), ms. */
+typedef struct da_cuda_times {
+  double step_ms; /* a step (attention, then the combine as a programmatic dependent, as in a
+                   * real step), iters of them back to back: the GPU's time a step, timed as
+                   * sdpa_peer.py times a peer (events around a loop of calls) */
+  double attn_ms; /* the attention alone, back to back */
+  double lat_ms;  /* one step from an idle stream (events around each), host launch included */
+  int n_sm;       /* the device's SM count */
+} da_cuda_times;
+
+/* Replays the prepared attention and combine kernels: warmup steps, then the three timings
+ * of da_cuda_times over iters steps each. */
+int da_cuda_bench_time(void *ctx, int warmup, int iters, da_cuda_times *t);
 
 /* Non-zero when blocks of more than 16 rows run on the sm_90a wgmma kernel (prefill_sm90.cu):
  * the DA_CU_SM90_* variant (1 serial, 2 pipelined, 3 pipelined + ping-pong), from
