@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 PEERS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 DECODE_B = [1, 8, 32, 64, 128]
 DECODE_L = [1024, 4096, 16384, 65536]
+WARM_MS = 250  # GPU time a case runs before it is timed (detattn-bench's WARM_MS)
 
 
 def sdpa(backend, q, k, v, causal, gqa):
@@ -26,8 +27,50 @@ def sdpa(backend, q, k, v, causal, gqa):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def elapsed_ms(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_calls(fn, iters):
+    """(ms, eager ms, timing): the GPU's time a call, from iters calls captured in one CUDA
+    graph and replayed at once (no host launch inside: detattn-bench times its steps the same
+    way), and from iters calls launched back to back, where short calls wait on Python and the
+    dispatcher. timing is "graph", or "eager" when the call cannot be captured."""
+    # Warm for WARM_MS of GPU time first (as detattn-bench does): clocks under sustained load.
+    spent = 0.0
+    for _ in range(10000):
+        if spent >= WARM_MS:
+            break
+        spent += elapsed_ms(lambda: [fn() for _ in range(iters)])
+    eager = elapsed_ms(lambda: [fn() for _ in range(iters)]) / iters
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # a warm call on a side stream before capture, as torch.cuda.graph asks
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        g.replay()
+        ms = elapsed_ms(g.replay) / iters
+        del g
+        return ms, eager, "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return eager, eager, "eager"
+
+
 def run_peer(backend, q, k, v, causal, iters):
-    """Returns (ms, how) where how says whether GQA ran natively or on expanded K/V."""
+    """Returns (ms, how, invariant, eager ms): how says whether GQA ran natively or on
+    expanded K/V and how the call was timed (time_calls)."""
     hq, hkv = q.shape[1], k.shape[1]
     attempts = [("gqa", k, v, hq != hkv)]
     if hq != hkv:
@@ -39,16 +82,7 @@ def run_peer(backend, q, k, v, causal, iters):
                 kk = k.repeat_interleave(hq // hkv, dim=1)
                 vv = v.repeat_interleave(hq // hkv, dim=1)
             out = sdpa(backend, q, kk, vv, causal, gqa)
-            for _ in range(3):
-                sdpa(backend, q, kk, vv, causal, gqa)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(iters):
-                sdpa(backend, q, kk, vv, causal, gqa)
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end) / iters
+            ms, eager, timing = time_calls(lambda: sdpa(backend, q, kk, vv, causal, gqa), iters)
             # Batch invariance: row 0 alone vs row 0 inside the batch. A batch of one is
             # compared against itself inside a batch of four (three other random rows).
             if q.shape[0] > 1:
@@ -60,12 +94,12 @@ def run_peer(backend, q, k, v, causal, iters):
                 vb = torch.cat([vv, torch.randn_like(vv).repeat(3, 1, 1, 1)])
                 inv = torch.equal(sdpa(backend, qb, kb, vb, causal, gqa)[0], out[0])
                 del qb, kb, vb
-            return ms, how, inv
+            return ms, f"{how}+{timing}", inv, eager
         except (RuntimeError, torch.OutOfMemoryError) as e:  # backend refuses the shape
             last = str(e).splitlines()[0][:80]
         finally:
             torch.cuda.empty_cache()
-    return None, last, None
+    return None, last, None, None
 
 
 def cases(quick, prefill_only=False):
@@ -99,18 +133,19 @@ def main():
         if 2.5 * kv_bytes > free:
             for name in PEERS:
                 rows.append(dict(kind=kind, B=b, L=length, d=d, causal=int(causal), peer=name,
-                                 ms="", how="skipped: memory", invariant=""))
+                                 ms="", how="skipped: memory", invariant="", eager_ms=""))
             continue
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
         # Decode: one query sees every key (no mask). Prefill: causal or not.
         for name, backend in PEERS.items():
-            ms, how, inv = run_peer(backend, q, k, v, causal and kind == "prefill",
-                                    20 if kind == "decode" else 10)
+            ms, how, inv, eager = run_peer(backend, q, k, v, causal and kind == "prefill",
+                                           20 if kind == "decode" else 10)
             rows.append(dict(kind=kind, B=b, L=length, d=d, causal=int(causal), peer=name,
                              ms="" if ms is None else f"{ms:.4f}", how=how,
-                             invariant="" if inv is None else int(inv)))
+                             invariant="" if inv is None else int(inv),
+                             eager_ms="" if eager is None else f"{eager:.4f}"))
             print(f"# {kind} B={b} L={length} d={d} causal={int(causal)} {name}: "
                   f"{'-' if ms is None else f'{ms:.4f} ms'} ({how}) invariant={inv}",
                   file=sys.stderr, flush=True)
@@ -130,8 +165,8 @@ def main():
                        0 if r["kind"] == "decode" else int(r["causal"]))
                 ours.setdefault(key, {})[r["mode"].split("+")[0]] = r
     print(f"device: {dev}, torch {torch.__version__}")
-    # ours ms and the peers' ms: calls back to back, events around the loop (the GPU's time a
-    # call); ours lat: one step from an idle stream, the host's launch included.
+    # ours ms and the peers' ms: the GPU's time a call (CUDA graphs, time_calls; "how" says
+    # where a call ran eager); ours lat: one step from an idle stream, host launch included.
     print("| kind | B | L | d | causal | ours ms | ours TB/s | ours TFLOP/s | combine % "
           "| ours lat | occS ms | flash ms | x flash | flash inv | cudnn ms | x cudnn | cudnn inv |")
     print("|---" * 17 + "|")

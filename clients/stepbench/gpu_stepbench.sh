@@ -49,7 +49,7 @@ done
 kill $pid 2> /dev/null
 wait $pid 2> /dev/null
 # The prefill kernel alone on the same work: B sequences of L tokens, causal, one layer.
-echo "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops,lat_ms" > "$OUT/kernel.csv"
+echo "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,combine_ms,kv_tbs,tflops,lat_ms,timing" > "$OUT/kernel.csv"
 for B in $BS; do
   for L in $LS; do
     [ $((B * L)) -gt 262144 ] && continue # the bench stages all tokens at once

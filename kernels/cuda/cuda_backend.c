@@ -1005,7 +1005,55 @@ fail:
   return rv;
 }
 
-int da_cuda_bench_time(void *ctx, int warmup, int iters, da_cuda_times *t) {
+/* Enqueues n steps of the prepared batch: the attention, and the combine when asked. */
+static int bench_steps(cuda_ctx *c, int n, int combine, char *err, size_t errlen) {
+  int rv = 0;
+  for (int i = 0; i < n; i++) {
+    CUDA_GOTO(c, attn_launch(c), fail);
+    if (combine) CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  }
+fail:
+  return rv;
+}
+
+/* ms a step of n steps captured in one CUDA graph (launched once to warm it, then timed), or
+ * -1 when the stream cannot be captured (the stream is left usable). */
+static double graph_ms(cuda_ctx *c, int n, int combine) {
+  char err[256];
+  size_t errlen = sizeof(err);
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t x = NULL;
+  float ms = -1.0f;
+  if (cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) goto out;
+  const int rv = bench_steps(c, n, combine, err, errlen);
+  if (cudaStreamEndCapture(c->stream, &g) != cudaSuccess || rv != 0) goto out;
+  if (cudaGraphInstantiate(&x, g, 0) != cudaSuccess || cudaGraphLaunch(x, c->stream) != cudaSuccess ||
+      cudaEventRecord(c->ev[0], c->stream) != cudaSuccess || cudaGraphLaunch(x, c->stream) != cudaSuccess ||
+      cudaEventRecord(c->ev[1], c->stream) != cudaSuccess || cudaEventSynchronize(c->ev[1]) != cudaSuccess ||
+      cudaEventElapsedTime(&ms, c->ev[0], c->ev[1]) != cudaSuccess)
+    ms = -1.0f;
+out:
+  if (x != NULL) (void)cudaGraphExecDestroy(x);
+  if (g != NULL) (void)cudaGraphDestroy(g);
+  (void)cudaGetLastError();
+  return ms < 0.0f ? -1.0 : ms / n;
+}
+
+/* ms a step of n steps launched back to back (the queue never runs dry). */
+static int eager_ms(cuda_ctx *c, int n, int combine, double *out, char *err, size_t errlen) {
+  int rv = 0;
+  float ms = 0.0f;
+  CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
+  if ((rv = bench_steps(c, n, combine, err, errlen)) != 0) goto fail;
+  CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
+  CUDA_GOTO(c, cudaEventSynchronize(c->ev[1]), fail);
+  CUDA_GOTO(c, cudaEventElapsedTime(&ms, c->ev[0], c->ev[1]), fail);
+  *out = ms / n;
+fail:
+  return rv;
+}
+
+int da_cuda_bench_time(void *ctx, int warm_ms, int iters, da_cuda_times *t) {
   cuda_ctx *c = ctx;
   char err[256];
   size_t errlen = sizeof(err);
@@ -1015,35 +1063,29 @@ int da_cuda_bench_time(void *ctx, int warmup, int iters, da_cuda_times *t) {
   memset(t, 0, sizeof(*t));
   t->n_sm = c->n_sm;
   if (iters <= 0) return 0;
-  for (int i = 0; i < warmup; i++) {
-    CUDA_GOTO(c, attn_launch(c), fail);
-    CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  /* Warm: the GPU's clocks settle under sustained load (an H100's prefill rows ran 10-15 %
+   * slower after ~0.1 s of it), so every timing below, like the peers', is of that state. */
+  double spent = 0.0;
+  for (int k = 0; k < 10000 && spent < warm_ms; k++) {
+    double one = 0.0;
+    if ((rv = eager_ms(c, iters, 1, &one, err, errlen)) != 0) goto fail;
+    spent += one * iters;
   }
-  /* Back to back, as a peer in a loop: the queue never runs dry, so what is timed is the GPU's
-   * work a step. No event between the attention and the combine: the combine starts as a
-   * programmatic dependent (resident during the attention's last wave). */
-  CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
-  for (int i = 0; i < iters; i++) {
-    CUDA_GOTO(c, attn_launch(c), fail);
-    CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  /* The GPU's time a step: no event between the attention and the combine, so the combine
+   * starts as a programmatic dependent (resident during the attention's last wave); then the
+   * attention alone (the combine's share is the difference). */
+  t->step_ms = graph_ms(c, iters, 1);
+  t->attn_ms = graph_ms(c, iters, 0);
+  t->graph = t->step_ms >= 0.0 && t->attn_ms >= 0.0;
+  if (!t->graph) {
+    if ((rv = eager_ms(c, iters, 1, &t->step_ms, err, errlen)) != 0) goto fail;
+    if ((rv = eager_ms(c, iters, 0, &t->attn_ms, err, errlen)) != 0) goto fail;
   }
-  CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
-  CUDA_GOTO(c, cudaEventSynchronize(c->ev[1]), fail);
-  CUDA_GOTO(c, cudaEventElapsedTime(&ms, c->ev[0], c->ev[1]), fail);
-  t->step_ms = ms / iters;
-  /* The attention alone: the combine's share of a step is the difference. */
-  CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
-  for (int i = 0; i < iters; i++) CUDA_GOTO(c, attn_launch(c), fail);
-  CUDA_GOTO(c, cudaEventRecord(c->ev[1], c->stream), fail);
-  CUDA_GOTO(c, cudaEventSynchronize(c->ev[1]), fail);
-  CUDA_GOTO(c, cudaEventElapsedTime(&ms, c->ev[0], c->ev[1]), fail);
-  t->attn_ms = ms / iters;
   /* One step at a time from an idle stream: the first event fires at once, so the host's
    * launch work is inside the interval (what a lone step waits). */
   for (int i = 0; i < iters; i++) {
     CUDA_GOTO(c, cudaEventRecord(c->ev[0], c->stream), fail);
-    CUDA_GOTO(c, attn_launch(c), fail);
-    CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+    if ((rv = bench_steps(c, 1, 1, err, errlen)) != 0) goto fail;
     CUDA_GOTO(c, cudaEventRecord(c->ev[2], c->stream), fail);
     CUDA_GOTO(c, cudaEventSynchronize(c->ev[2]), fail);
     CUDA_GOTO(c, cudaEventElapsedTime(&ms, c->ev[0], c->ev[2]), fail);

@@ -25,16 +25,18 @@ int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64
 /* Times of a prepared batch (da_cuda_bench_time), ms. */
 typedef struct da_cuda_times {
   double step_ms; /* a step (attention, then the combine as a programmatic dependent, as in a
-                   * real step), iters of them back to back: the GPU's time a step, timed as
-                   * sdpa_peer.py times a peer (events around a loop of calls) */
-  double attn_ms; /* the attention alone, back to back */
+                   * real step): iters steps captured in one CUDA graph and launched at once,
+                   * so no host launch is inside (sdpa_peer.py times the peers the same way);
+                   * without graph capture, iters steps launched back to back */
+  double attn_ms; /* the attention alone, the same way */
   double lat_ms;  /* one step from an idle stream (events around each), host launch included */
+  int graph;      /* 1: step_ms and attn_ms come from graphs */
   int n_sm;       /* the device's SM count */
 } da_cuda_times;
 
-/* Replays the prepared attention and combine kernels: warmup steps, then the three timings
- * of da_cuda_times over iters steps each. */
-int da_cuda_bench_time(void *ctx, int warmup, int iters, da_cuda_times *t);
+/* Replays the prepared attention and combine kernels: steps for at least warm_ms of GPU time,
+ * then the timings of da_cuda_times over iters steps each. */
+int da_cuda_bench_time(void *ctx, int warm_ms, int iters, da_cuda_times *t);
 
 /* Non-zero when blocks of more than 16 rows run on the sm_90a wgmma kernel (prefill_sm90.cu):
  * the DA_CU_SM90_* variant (1 serial, 2 pipelined, 3 pipelined + ping-pong), from
