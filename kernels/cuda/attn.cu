@@ -212,6 +212,33 @@ attn_kernel(const da_cu_args a) {
   da_row_state st;
   float *myfold = fold + warp * NV * 4 * 32 + lane;
 
+  /* The tile update of both forms below, on the whole tile's scores x in the prefill rows'
+   * layout: the online-softmax update of (m, l), x becomes p, acc is scaled by alpha. */
+  auto update = [&](float (&x)[NTS][4]) {
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      float m_use;
+      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(x, r), a.exp_c, m_use);
+      da_exp_row<NTS>(x, r, a.exp_c, m_use);
+      da_l_update<NTS>(st, r, alpha[r], x);
+    }
+#pragma unroll
+    for (int n = 0; n < NV; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
+      acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
+      acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+  };
+  /* P's A fragment of key step kc (16 keys), rounded to the input dtype. */
+  auto pack_p = [&](const float (&x)[NTS][4], int kc, uint32_t (&pa)[4]) {
+    pa[0] = da_pack2<BF16>(x[2 * kc][0], x[2 * kc][1]);
+    pa[1] = da_pack2<BF16>(x[2 * kc][2], x[2 * kc][3]);
+    pa[2] = da_pack2<BF16>(x[2 * kc + 1][0], x[2 * kc + 1][1]);
+    pa[3] = da_pack2<BF16>(x[2 * kc + 1][2], x[2 * kc + 1][3]);
+  };
+
   /* Counters instead of divisions: stage of tile kt, stage the next copy goes to, split j
    * of tile kt and kt's index inside it. */
   int st_cur = 0, st_load = nst - 1, j = kt_begin / tps, in_split = kt_begin - j * tps;
@@ -276,28 +303,11 @@ attn_kernel(const da_cu_args a) {
         const float4 v = x_s[n * 32 + lane];
         t[n][0] = v.x, t[n][1] = v.y, t[n][2] = v.z, t[n][3] = v.w;
       }
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        float m_use;
-        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(t, r), a.exp_c, m_use);
-        da_exp_row<NTS>(t, r, a.exp_c, m_use);
-        da_l_update<NTS>(st, r, alpha[r], t);
-      }
-#pragma unroll
-      for (int n = 0; n < NV; n++) {
-        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-      }
+      update(t);
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
         uint32_t pa[4];
-        pa[0] = da_pack2<BF16>(t[2 * kc][0], t[2 * kc][1]);
-        pa[1] = da_pack2<BF16>(t[2 * kc][2], t[2 * kc][3]);
-        pa[2] = da_pack2<BF16>(t[2 * kc + 1][0], t[2 * kc + 1][1]);
-        pa[3] = da_pack2<BF16>(t[2 * kc + 1][2], t[2 * kc + 1][3]);
+        pack_p(t, kc, pa);
         if constexpr (NV == 1) {
           uint32_t vf[2];
           ldsm_x2_t(vf, vb + swz<D>(kc * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dcol0));
@@ -349,28 +359,11 @@ attn_kernel(const da_cu_args a) {
           }
         }
       }
-      float alpha[2];
-#pragma unroll
-      for (int r = 0; r < 2; r++) {
-        float m_use;
-        alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), a.exp_c, m_use);
-        da_exp_row<NTS>(s, r, a.exp_c, m_use);
-        da_l_update<NTS>(st, r, alpha[r], s);
-      }
-#pragma unroll
-      for (int n = 0; n < NV; n++) {
-        acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);
-        acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-        acc[n][2] = __fmul_rn(acc[n][2], alpha[1]);
-        acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-      }
+      update(s);
 #pragma unroll
       for (int kc = 0; kc < BN / 16; kc++) {
         uint32_t pa[4];
-        pa[0] = da_pack2<BF16>(s[2 * kc][0], s[2 * kc][1]);
-        pa[1] = da_pack2<BF16>(s[2 * kc][2], s[2 * kc][3]);
-        pa[2] = da_pack2<BF16>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
-        pa[3] = da_pack2<BF16>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+        pack_p(s, kc, pa);
 #pragma unroll
         for (int dp = 0; dp < D / 16; dp++) {
           uint32_t vf[4];
