@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Times PyTorch SDPA (flash and cuDNN backends, through torch.nn.attention.sdpa_kernel, as a
-user calls them) on the shapes of `detattn-bench --backend cuda`, checks whether each peer is
+user calls them; timed as detattn-bench times ours: warm, then a CUDA graph of the calls) on
+the shapes of `detattn-bench --backend cuda`, checks whether each peer is
 batch-invariant on them (a row computed alone vs inside the batch, bitwise), and prints a
 side-by-side table with detattn's numbers when given --ours (the CSV the bench printed).
 
