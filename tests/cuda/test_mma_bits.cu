@@ -13,9 +13,13 @@
  *      rs-group  Q from registers (the mma.sync A fragment), K from shared memory
  *      ss-scale0 the first k-step with scale-d = 0 instead of a zeroed accumulator
  *                (reported, not part of the verdict: the kernels zero the accumulator)
+ *      ss-keysM  S^T = C0^T + K Q^T, keys on M: K as A, 8 query rows a wgmma (m64n8k16)
  *   O: rs-group  P from registers, V from shared memory (transposed, MN-major), one group
  *      rs-chunk  the same, commit + wait after every k-step
  *      ss-group  P and V from shared memory
+ *      ss-keysM  O^T = C1^T + V^T P^T: V as a transposed (MN-major) A, P as B, 8 query rows
+ *                a wgmma (m64n8k16); with ss-keysM for S, the premise of a decode form
+ *                whose MMAs carry the keys (NOTES.md v5.5)
  * Shared-memory tiles use the 128-byte swizzle and the descriptors of kernels/cuda/sm90.cuh
  * (the ones prefill_sm90.cu uses), so a descriptor or layout mistake shows as a large error
  * against an fp64 reference, apart from last-bit differences.
@@ -42,10 +46,10 @@ using namespace da_sm90;
 
 namespace {
 
-constexpr int NS = 5; /* S variants: mma.sync, ss-group, ss-chunk, rs-group, ss-scale0 */
-constexpr int NO = 4; /* O variants: mma.sync, rs-group, rs-chunk, ss-group */
-const char *s_name[NS] = {"mma.sync", "ss-group", "ss-chunk", "rs-group", "ss-scale0"};
-const char *o_name[NO] = {"mma.sync", "rs-group", "rs-chunk", "ss-group"};
+constexpr int NS = 6; /* S variants: mma.sync, ss-group, ss-chunk, rs-group, ss-scale0, ss-keysM */
+constexpr int NO = 5; /* O variants: mma.sync, rs-group, rs-chunk, ss-group, ss-keysM */
+const char *s_name[NS] = {"mma.sync", "ss-group", "ss-chunk", "rs-group", "ss-scale0", "ss-keysM"};
+const char *o_name[NO] = {"mma.sync", "rs-group", "rs-chunk", "ss-group", "ss-keysM"};
 
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -63,6 +67,22 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
 }
 
 __device__ __forceinline__ uint32_t pair(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
+
+/* D (m64n8k16, fp32: warp w rows [16w, 16w + 16), lane l row 16w + l / 4 (+ 8 for e >= 2),
+ * column 2 (l % 4) + (e & 1)) += A B, both from shared memory; TA / TB: MN-major operand. */
+template <bool BF16, int TA, int TB>
+__device__ __forceinline__ void wg_ss_n8(float (&d)[4], uint64_t da, uint64_t db) {
+  if constexpr (BF16)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %6, %7;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %6, %7;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
 
 /* The m16n8k16 A fragment of rows [r0, r0 + 16), k [k0, k0 + 16) of a row-major [.][ld]. */
 __device__ __forceinline__ void a_frag(uint32_t (&a)[4], const uint16_t *A, int ld, int r0, int k0, int g, int q) {
@@ -104,7 +124,7 @@ __device__ void to_smem(unsigned char *dst, const uint16_t *src, int cols) {
 
 /* Which product and form a launch computes (one per launch keeps each kernel small, so that
  * the compiler neither spills nor splits a wgmma group). */
-enum { V_S_MMA, V_S_SS, V_S_SS_CHUNK, V_S_RS, V_S_SS_SCALE0, V_O_MMA, V_O_RS, V_O_RS_CHUNK, V_O_SS, N_V };
+enum { V_S_MMA, V_S_SS, V_S_SS_CHUNK, V_S_RS, V_S_SS_SCALE0, V_S_KEYS, V_O_MMA, V_O_RS, V_O_RS_CHUNK, V_O_SS, V_O_KEYS, N_V };
 
 /* One trial per CTA of 128 threads (one warpgroup). s_out: [trial][NS][64][64],
  * o_out: [trial][NO][64][D]. */
@@ -178,6 +198,45 @@ bits_kernel(const uint16_t *gq, const uint16_t *gk, const float *gc0, const uint
     wg_wait<0>();
     reg_fence(d);
     c_store<8>(d, So + v * 64 * 64, 64, r0, 0, g, q);
+  } else if constexpr (VAR == V_S_KEYS) {
+    /* S^T, 8 query rows (a B block of 8 rows of Q: 1024 bytes) at a time; this thread's
+     * elements are keys r0 + g (+ 8) of query rows 8 b + 2 q (+ 1), stored back as S. */
+#pragma unroll 1
+    for (int b = 0; b < 8; b++) {
+      float d[4];
+      for (int e = 0; e < 4; e++) d[e] = C0[(8 * b + 2 * q + (e & 1)) * 64 + r0 + g + 8 * (e >> 1)];
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; kk++) {
+        const uint32_t off = (kk >> 2) * 64 * 128 + (kk & 3) * 32;
+        wg_ss_n8<BF16, 0, 0>(d, desc_kmajor(ka + off), desc_kmajor(qa + off + b * 1024));
+      }
+      wg_commit();
+      wg_wait<0>();
+      for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[e])::"memory");
+      for (int e = 0; e < 4; e++) So[(5 * 64 + 8 * b + 2 * q + (e & 1)) * 64 + r0 + g + 8 * (e >> 1)] = d[e];
+    }
+  } else if constexpr (VAR == V_O_KEYS) {
+    /* O^T per 64 columns h and 8 query rows b: A = V^T (MN-major, 16 key rows a k-step),
+     * B = P's rows 8 b .. 8 b + 7 (K-major); elements: column 64 h + r0 + g (+ 8) of query
+     * rows 8 b + 2 q (+ 1), stored back as O. */
+#pragma unroll 1
+    for (int h = 0; h < D / 64; h++) {
+#pragma unroll 1
+      for (int b = 0; b < 8; b++) {
+        float d[4];
+        for (int e = 0; e < 4; e++) d[e] = C1[(8 * b + 2 * q + (e & 1)) * D + 64 * h + r0 + g + 8 * (e >> 1)];
+        wg_fence();
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++)
+          wg_ss_n8<BF16, 1, 0>(d, desc_mnmajor(va + h * 64 * 128 + kc * 16 * 128, 64 * 128),
+                               desc_kmajor(pa_s + kc * 32 + b * 1024));
+        wg_commit();
+        wg_wait<0>();
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[e])::"memory");
+        for (int e = 0; e < 4; e++) Oo[(4 * 64 + 8 * b + 2 * q + (e & 1)) * D + 64 * h + r0 + g + 8 * (e >> 1)] = d[e];
+      }
+    }
   } else if constexpr (VAR == V_O_MMA) {
 #pragma unroll 1
     for (int h = 0; h < D / ON; h++) {
@@ -507,15 +566,16 @@ static void run(int T, uint64_t seed, totals &tot, int &details) {
       }
       co[v] = a;
     }
-    const double es0 = s_err(in, S, 0), es1 = s_err(in, S, 1), es3 = s_err(in, S, 3);
-    const double eo0 = o_err(in, O, 0), eo1 = o_err(in, O, 1), eo3 = o_err(in, O, 3);
-    const bool layout_ok = es1 < 1e-3 && es3 < 1e-3 && eo1 < 1e-3 && eo3 < 1e-3 && es0 < 1e-3 && eo0 < 1e-3;
+    const double es0 = s_err(in, S, 0), es1 = s_err(in, S, 1), es3 = s_err(in, S, 3), es5 = s_err(in, S, 5);
+    const double eo0 = o_err(in, O, 0), eo1 = o_err(in, O, 1), eo3 = o_err(in, O, 3), eo4 = o_err(in, O, 4);
+    const bool layout_ok = es1 < 1e-3 && es3 < 1e-3 && eo1 < 1e-3 && eo3 < 1e-3 && es0 < 1e-3 && eo0 < 1e-3 &&
+                           es5 < 1e-3 && eo4 < 1e-3;
     printf("%-4s d%-3d %-17s |", BF16 ? "bf16" : "fp16", D, fam_name[f]);
     for (int v = 1; v < NS; v++) printf(" %s %s", s_name[v], cs[v].diff ? "DIFF" : "=");
     printf(" |");
     for (int v = 1; v < NO; v++) printf(" %s %s", o_name[v], co[v].diff ? "DIFF" : "=");
-    printf(" | err S mma %.1e wg %.1e/%.1e, O mma %.1e wg %.1e/%.1e%s\n", es0, es1, es3, eo0, eo1, eo3,
-           layout_ok ? "" : "  LAYOUT?");
+    printf(" | err S mma %.1e wg %.1e/%.1e/%.1e, O mma %.1e wg %.1e/%.1e/%.1e%s\n", es0, es1, es3, es5, eo0, eo1, eo3,
+           eo4, layout_ok ? "" : "  LAYOUT?");
     if (!layout_ok) tot.layout_bad++;
     for (int v = 1; v < NS; v++) {
       if (v != 4) tot.verdict_diff += cs[v].diff;
@@ -574,8 +634,8 @@ int main(int argc, char **argv) {
   run<64, false>(T, seed, tot, details);
   run<128, false>(T, seed, tot, details);
   run<256, false>(T, seed, tot, details);
-  printf("VERDICT: %s: %ld differing fp32 outputs over %ld cases (S ss-group/ss-chunk/rs-group, O rs-group/rs-chunk/"
-         "ss-group vs mma.sync); scale-d=0 first step: %ld differing; layout errors: %ld\n",
+  printf("VERDICT: %s: %ld differing fp32 outputs over %ld cases (S ss-group/ss-chunk/rs-group/ss-keysM, O "
+         "rs-group/rs-chunk/ss-group/ss-keysM vs mma.sync); scale-d=0 first step: %ld differing; layout errors: %ld\n",
          tot.verdict_diff == 0 && tot.layout_bad == 0 ? "SAME BITS" : "DIFFERENT", tot.verdict_diff, tot.cases,
          tot.scale0_diff, tot.layout_bad);
   return tot.verdict_diff == 0 && tot.layout_bad == 0 ? 0 : 1;
