@@ -216,13 +216,7 @@ attn_kernel(const da_cu_args a) {
    * layout: the online-softmax update of (m, l), x becomes p, acc is scaled by alpha. */
   auto update = [&](float (&x)[NTS][4]) {
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float m_use;
-      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(x, r), a.exp_c, m_use);
-      da_exp_row<NTS>(x, r, a.exp_c, m_use);
-      da_l_update<NTS>(st, r, alpha[r], x);
-    }
+    da_tile_update<NTS>(st, x, a.exp_c, alpha);
 #pragma unroll
     for (int n = 0; n < NV; n++) {
       acc[n][0] = __fmul_rn(acc[n][0], alpha[0]);

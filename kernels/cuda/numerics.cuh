@@ -137,6 +137,20 @@ __device__ __forceinline__ void da_l_update(da_row_state &st, int r, float alpha
   st.l[r] = __fadd_rn(__fmul_rn(alpha, st.l[r]), t);
 }
 
+/* A tile's update of the thread's two rows (the steps above, row by row): alpha[r] the
+ * rescale factor of row r, x becomes p, l takes the tile's sums. The caller scales its
+ * output accumulator by alpha before adding p.V. */
+template <int NT>
+__device__ __forceinline__ void da_tile_update(da_row_state &st, float (&x)[NT][4], float c, float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float m_use;
+    alpha[r] = da_rescale(st, r, da_quad_max<NT>(x, r), c, m_use);
+    da_exp_row<NT>(x, r, c, m_use);
+    da_l_update<NT>(st, r, alpha[r], x);
+  }
+}
+
 /* The row's l at a split end: the quad's parts, (l0 + l1) + (l2 + l3) in every lane (a + b ==
  * b + a exactly). Every lane of the warp calls it. */
 __device__ __forceinline__ float da_l_row(const da_row_state &st, int r) {

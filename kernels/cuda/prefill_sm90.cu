@@ -412,13 +412,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         }
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      float m_use;
-      alpha[r] = da_rescale(st, r, da_quad_max<NTS>(s, r), a.exp_c, m_use);
-      da_exp_row<NTS>(s, r, a.exp_c, m_use);
-      da_l_update<NTS>(st, r, alpha[r], s);
-    }
+    da_tile_update<NTS>(st, s, a.exp_c, alpha);
   };
   /* acc *= alpha, per half of the warp's rows (g, then g + 8): skipped where every alpha of
    * that half is exactly 1 (x * 1 == x). */
