@@ -4,6 +4,10 @@
 # per case, ratios new/old. Timings from different calls or cards are not comparable; this
 # is how every kernel change in kernels/cuda/NOTES.md is measured.
 #
+# Each tree times with its own bench: trees from before bc44d84 time a step from an idle
+# stream (host launch inside), later ones as CUDA graphs after a warm-up, so compare a kernel
+# change against HEAD (or another tree from after bc44d84), as below.
+#
 # Here:   rm -rf .ab-old && mkdir .ab-old && git archive HEAD | tar x -C .ab-old
 # There:  run with carry [".devdeps", ".ab-old"] and the command `bash tests/cuda/ab_gpu.sh`
 #
