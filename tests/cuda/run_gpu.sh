@@ -1,10 +1,11 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling|chain] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
-# launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth (tests/cuda/readbw.cu).
+# launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth (tests/cuda/readbw.cu);
+# chain: cycles of one warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 set -u
 what=${1:-all}
 quick=${2:-}
@@ -12,6 +13,11 @@ OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
 if [ "$what" = ceiling ]; then
   nvcc -O3 -gencode arch=compute_90,code=sm_90 tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" | tee "$OUT/ceiling.txt"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = chain ]; then
+  nvcc -std=c++17 --fmad=false --generate-code=arch=compute_90a,code=sm_90a -Ikernels/cuda -Ikernels \
+    tests/cuda/tilechain.cu -o "$OUT/tilechain" && "$OUT/tilechain" | tee "$OUT/chain.txt"
   exit "${PIPESTATUS[0]}"
 fi
 eval "$(bash .devdeps/unpack.sh)"

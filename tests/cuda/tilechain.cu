@@ -1,0 +1,182 @@
+/* tilechain.cu — a timing probe (not a test; `bash tests/cuda/run_gpu.sh chain`): the cycles
+ * one warpgroup's serial chain takes a 64-key tile at head_dim 128, with Q, K and V already in
+ * shared memory (no loads, no barriers with a producer), in these forms:
+ *   A  as prefill_sm90.cu: S = Q K^T (m64n64k16 x 8, SS), tile update of 64 rows, acc *= alpha,
+ *      P V (m64n128k16 x 4, P from registers)
+ *   B  keys on M: S^T = K Q^T (m64n8k16 x 8), a 2 x 2 tile update a thread with the row's
+ *      max and sums across the warpgroup (shuffles + shared memory), P^T to shared memory,
+ *      O^T = V^T P^T (2 x 4 m64n8k16, V as a transposed A), acc *= alpha
+ *   and A's parts alone: S only, S + the tile update, P V only.
+ * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
+ * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
+ * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
+#include <cuda_bf16.h>
+#include <cstdio>
+
+#include "numerics.cuh"
+#include "sm90.cuh"
+
+using namespace da_sm90;
+
+template <int TA>
+__device__ __forceinline__ void n8(float (&d)[4], uint64_t da, uint64_t db) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %6, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "l"(da), "l"(db), "n"(TA));
+}
+
+__global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384, pa = va + 16384;
+  __shared__ float red[2][4][8];
+  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += 128) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  fence_async_smem();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {};
+  float o2[2][4] = {};
+  float m2[2] = {-INFINITY, -INFINITY}, l2[2] = {0.f, 0.f};
+  const long long t0 = clock64();
+  for (int t = 0; t < tiles; t++) {
+    if (form != 1) {
+      const bool do_s = form != 4, do_u = form == 0 || form == 3, do_pv = form == 0 || form == 4;
+      float s[8][4];
+      uint64_t da[8], db[8];
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+        da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+      }
+      if (do_s) {
+        wg_chain_s_ss8_z<true>(s, da, db);
+        wg_wait<0>();
+        reg_fence(s);
+      } else {
+#pragma unroll
+        for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.5f + t;
+      }
+      float alpha[2] = {1.0f, 1.0f};
+      if (do_u) da_tile_update<8>(st, s, 0.125f, alpha);
+#pragma unroll
+      for (int n = 0; n < 16; n++) {
+        acc[n][0] *= alpha[0], acc[n][1] *= alpha[0], acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
+      }
+      uint32_t p[4][4];
+#pragma unroll
+      for (int kc = 0; kc < 4; kc++) {
+        p[kc][0] = da_pack2<true>(s[2 * kc][0], s[2 * kc][1]);
+        p[kc][1] = da_pack2<true>(s[2 * kc][2], s[2 * kc][3]);
+        p[kc][2] = da_pack2<true>(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+        p[kc][3] = da_pack2<true>(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+      }
+      uint64_t dv[4];
+#pragma unroll
+      for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+      if (do_pv) {
+        reg_fence(acc);
+        wg_chain_pv_n128<true>(acc, p, dv);
+        wg_wait<0>();
+        reg_fence(acc);
+      } else {
+        acc[t & 15][0] += __uint_as_float(p[t & 3][0]);
+      }
+    } else {
+      float s[4] = {0.f, 0.f, 0.f, 0.f};
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; kk++) {
+        const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+        n8<0>(s, desc_kmajor(ka + off), desc_kmajor(qa + off));
+      }
+      wg_commit();
+      wg_wait<0>();
+      for (int e = 0; e < 4; e++) asm volatile("" : "+f"(s[e])::"memory");
+      /* Row r = 2 q + (e & 1); keys 16 warp + g (e < 2) and + 8. Max over the row's 64 keys. */
+      float mx[2], sm2[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        float m = fmaxf(s[r], s[r + 2]);
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        if (g == 0) red[0][warp][2 * q + r] = m;
+      }
+      bar_sync(1, 128);
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = 2 * q + r;
+        mx[r] = fmaxf(fmaxf(red[0][0][row], red[0][1][row]), fmaxf(red[0][2][row], red[0][3][row])) * 0.125f;
+        const float mn = mx[r] - m2[r] > 8.f ? mx[r] : m2[r];
+        alpha[r] = da_ex2(m2[r] - mn);
+        m2[r] = mn;
+        s[r] = da_ex2(__fmaf_rn(s[r], 0.125f, -mn));
+        s[r + 2] = da_ex2(__fmaf_rn(s[r + 2], 0.125f, -mn));
+        float v = s[r] + __shfl_xor_sync(0xffffffffu, s[r], 4);
+        float w = s[r + 2] + __shfl_xor_sync(0xffffffffu, s[r + 2], 4);
+        v = v + w;
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (g == 0) red[1][warp][row] = v;
+      }
+      /* P^T to shared memory: element (row, key) of a [64][64] swizzled block (rows 0-7). */
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int row = 2 * q + (e & 1), key = 16 * warp + g + 8 * (e >> 1);
+        const uint32_t a = pa + swz128(row, key >> 3, 64) + (key & 7) * 2;
+        const __nv_bfloat16 h = __float2bfloat16_rn(s[e]);
+        asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a), "h"(*reinterpret_cast<const unsigned short *>(&h)));
+      }
+      fence_async_smem();
+      bar_sync(1, 128);
+#pragma unroll
+      for (int r = 0; r < 2; r++) {
+        const int row = 2 * q + r;
+        sm2[r] = (red[1][0][row] + red[1][1][row]) + (red[1][2][row] + red[1][3][row]);
+        l2[r] = alpha[r] * l2[r] + sm2[r];
+      }
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        o2[h][0] *= alpha[0], o2[h][1] *= alpha[1], o2[h][2] *= alpha[0], o2[h][3] *= alpha[1];
+      }
+      wg_fence();
+#pragma unroll
+      for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) n8<1>(o2[h], desc_mnmajor(va + h * 8192 + kc * 2048, 8192), desc_kmajor(pa + kc * 32));
+      wg_commit();
+      wg_wait<0>();
+      for (int h = 0; h < 2; h++)
+        for (int e = 0; e < 4; e++) asm volatile("" : "+f"(o2[h][e])::"memory");
+      bar_sync(1, 128); /* P^T and red are rewritten next tile */
+    }
+  }
+  const long long t1 = clock64();
+  if (threadIdx.x == 0) out[0] = t1 - t0;
+  float z = st.l[0] + st.l[1] + l2[0] + l2[1];
+  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
+  z += o2[0][0] + o2[1][3];
+  sink[threadIdx.x] = z;
+}
+
+int main() {
+  long long *out;
+  float *sink;
+  cudaMalloc(&out, 8);
+  cudaMalloc(&sink, 128 * 4);
+  cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  static const char *names[] = {"A (64-row tiles)", "B (keys on M)", "A, S only", "A, S + tile update", "A, P V only"};
+  for (int form = 0; form < 5; form++) {
+    for (int rep = 0; rep < 2; rep++) {
+      chain<<<1, 128, 70 * 1024>>>(form, 256, out, sink);
+      long long c = 0;
+      cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
+      if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+      printf("form %s: %.0f cycles a tile\n", names[form], c / 256.0);
+    }
+  }
+  return 0;
+}
