@@ -6,7 +6,9 @@
  *   B  keys on M: S^T = K Q^T (m64n8k16 x 8), a 2 x 2 tile update a thread with the row's
  *      max and sums across the warpgroup (shuffles + shared memory), P^T to shared memory,
  *      O^T = V^T P^T (2 x 4 m64n8k16, V as a transposed A), acc *= alpha
- *   and A's parts alone: S only, S + the tile update, P V only.
+ *   and A's parts alone: S only, S + the tile update, P V only; and A with a decode split end
+ *   every 8 tiles that writes its partial and releases a ready flag (st.release.gpu), and
+ *   the same without the flag.
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -26,7 +28,8 @@ __device__ __forceinline__ void n8(float (&d)[4], uint64_t da, uint64_t db) {
                : "l"(da), "l"(db), "n"(TA));
 }
 
-__global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *out, float *sink) {
+__global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *out, float *sink, float *part,
+                                                 int *flag) {
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
   const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384, pa = va + 16384;
@@ -43,7 +46,8 @@ __global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *
   const long long t0 = clock64();
   for (int t = 0; t < tiles; t++) {
     if (form != 1) {
-      const bool do_s = form != 4, do_u = form == 0 || form == 3, do_pv = form == 0 || form == 4;
+      const bool do_s = form != 4, do_u = form != 2 && form != 4, do_pv = form == 0 || form >= 4;
+      /* forms 5 and 6: A with a split end every 8 tiles, with and without the released flag */
       float s[8][4];
       uint64_t da[8], db[8];
 #pragma unroll
@@ -83,6 +87,18 @@ __global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *
         reg_fence(acc);
       } else {
         acc[t & 15][0] += __uint_as_float(p[t & 3][0]);
+      }
+      if (form >= 5 && t % 8 == 7) {
+        /* A split end of a decode block as a partial with a ready flag: warp 0's first 16
+         * lanes (4 rows x 4 quads) write their row's 128 floats, then a release of the flag. */
+        if (warp == 0 && g < 4) {
+#pragma unroll
+          for (int n = 0; n < 16; n++)
+            *reinterpret_cast<float2 *>(part + (t / 8 % 64) * 512 + g * 128 + n * 8 + q * 2) = make_float2(acc[n][0], acc[n][1]);
+        }
+        __syncwarp();
+        if (form == 5 && threadIdx.x == 0)
+          asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag + t / 8 % 64), "r"(t) : "memory");
       }
     } else {
       float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -168,10 +184,16 @@ int main() {
   cudaMalloc(&out, 8);
   cudaMalloc(&sink, 128 * 4);
   cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-  static const char *names[] = {"A (64-row tiles)", "B (keys on M)", "A, S only", "A, S + tile update", "A, P V only"};
-  for (int form = 0; form < 5; form++) {
+  static const char *names[] = {"A (64-row tiles)", "B (keys on M)", "A, S only", "A, S + tile update", "A, P V only",
+                                "A + a partial write and a released flag every 8 tiles",
+                                "A + the partial write alone every 8 tiles"};
+  float *part;
+  int *flag;
+  cudaMalloc(&part, 64 * 512 * 4);
+  cudaMalloc(&flag, 64 * 4);
+  for (int form = 0; form < 7; form++) {
     for (int rep = 0; rep < 2; rep++) {
-      chain<<<1, 128, 70 * 1024>>>(form, 256, out, sink);
+      chain<<<1, 128, 70 * 1024>>>(form, 256, out, sink, part, flag);
       long long c = 0;
       cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
       if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
