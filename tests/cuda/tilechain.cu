@@ -8,7 +8,9 @@
  *      O^T = V^T P^T (2 x 4 m64n8k16, V as a transposed A), acc *= alpha
  *   and A's parts alone: S only, S + the tile update, P V only; and A with a decode split end
  *   every 8 tiles that writes its partial and releases a ready flag (st.release.gpu), and
- *   the same without the flag.
+ *   the same without the flag. Forms 0, 2 and 4 also run as 2 and 3 warpgroups side by side
+ *   (independent chains), and a kernel of its own times S over 128 keys as m64n128k16 (what
+ *   a 128-key contract tile would issue) with 1-3 warpgroups.
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -28,16 +30,16 @@ __device__ __forceinline__ void n8(float (&d)[4], uint64_t da, uint64_t db) {
                : "l"(da), "l"(db), "n"(TA));
 }
 
-__global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *out, float *sink, float *part,
+__global__ void __launch_bounds__(384, 1) chain(int form, int tiles, long long *out, float *sink, float *part,
                                                  int *flag) {
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
   const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384, pa = va + 16384;
   __shared__ float red[2][4][8];
-  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += 128) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
   fence_async_smem();
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   da_row_state st;
   da_state_reset(st);
   float acc[16][4] = {};
@@ -178,6 +180,38 @@ __global__ void __launch_bounds__(128, 1) chain(int form, int tiles, long long *
   sink[threadIdx.x] = z;
 }
 
+/* S of 128 keys as m64n128k16 SS x 8 (what a 128-key contract tile would issue), on its own
+ * kernel so that its 64 accumulator registers do not change chain()'s allocation. K's 128
+ * rows read past K into V and P: timing only. */
+__global__ void __launch_bounds__(384, 1) chain_s128(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384;
+  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u;
+  fence_async_smem();
+  __syncthreads();
+  float z = 0.0f;
+  const long long t0 = clock64();
+  for (int t = 0; t < tiles; t += 2) {
+    float d[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
+    reg_fence(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+      wg_ss<128, true, 0>(d, desc_kmajor(qa + (kk >> 2) * 8192 + (kk & 3) * 32),
+                          desc_kmajor(ka + (kk >> 2) * 16384 + (kk & 3) * 32), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(d);
+    z += d[t & 15][t & 3];
+  }
+  const long long t1 = clock64();
+  if (threadIdx.x == 0) out[0] = t1 - t0;
+  sink[threadIdx.x] = z;
+}
+
 int main() {
   long long *out;
   float *sink;
@@ -191,6 +225,8 @@ int main() {
   int *flag;
   cudaMalloc(&part, 64 * 512 * 4);
   cudaMalloc(&flag, 64 * 4);
+  cudaFree(sink);
+  cudaMalloc(&sink, 384 * 4);
   for (int form = 0; form < 7; form++) {
     for (int rep = 0; rep < 2; rep++) {
       chain<<<1, 128, 70 * 1024>>>(form, 256, out, sink, part, flag);
@@ -199,6 +235,26 @@ int main() {
       if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
       printf("form %s: %.0f cycles a tile\n", names[form], c / 256.0);
     }
+  }
+  /* Independent chains side by side: 2 and 3 warpgroups of one CTA, each its own tiles (the
+   * same operands): does the tensor pipe interleave them, or do they queue? */
+  static const int forms[] = {0, 2, 4};
+  for (int f : forms) {
+    for (int wgs = 2; wgs <= 3; wgs++) {
+      chain<<<1, 128 * wgs, 70 * 1024>>>(f, 256, out, sink, part, flag);
+      long long c = 0;
+      cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
+      if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+      printf("form %s, %d warpgroups side by side: %.0f cycles a tile of each\n", names[f], wgs, c / 256.0);
+    }
+  }
+  cudaFuncSetAttribute(chain_s128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  for (int wgs = 1; wgs <= 3; wgs++) {
+    chain_s128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
+    long long c = 0;
+    cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
+    if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+    printf("form S of 128 keys (n128), %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
   }
   return 0;
 }
