@@ -1063,7 +1063,7 @@ int da_cuda_bench_time(void *ctx, int warm_ms, int iters, da_cuda_times *t) {
   memset(t, 0, sizeof(*t));
   t->n_sm = c->n_sm;
   if (iters <= 0) return 0;
-  /* Warm: the GPU's clocks settle under sustained load (an H100's prefill rows ran 10-15 %
+  /* Warm: the GPU's clocks settle under sustained load (an H100's prefill rows ran 5-15 %
    * slower after ~0.1 s of it), so every timing below, like the peers', is of that state. */
   double spent = 0.0;
   for (int k = 0; k < 10000 && spent < warm_ms; k++) {
