@@ -9,8 +9,9 @@
  *   and A's parts alone: S only, S + the tile update, P V only; and A with a decode split end
  *   every 8 tiles that writes its partial and releases a ready flag (st.release.gpu), and
  *   the same without the flag. Forms 0, 2 and 4 also run as 2 and 3 warpgroups side by side
- *   (independent chains), and a kernel of its own times S over 128 keys as m64n128k16 (what
- *   a 128-key contract tile would issue) with 1-3 warpgroups.
+ *   (independent chains), and kernels of their own time S over 128 keys as m64n128k16 (what
+ *   a 128-key contract tile would issue) with 1-3 warpgroups, and a 128-key tile's whole
+ *   chain with 1-2.
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -212,6 +213,66 @@ __global__ void __launch_bounds__(384, 1) chain_s128(int tiles, long long *out, 
   sink[threadIdx.x] = z;
 }
 
+/* The whole chain of a 128-key tile (S n128, the tile update over 128 keys, acc *= alpha,
+ * P V over 128 keys as two 4-step n128 chains), per 64 keys: what T = 128 would run. K's and
+ * V's second 64 rows read past their regions: timing only. */
+__global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u;
+  fence_async_smem();
+  __syncthreads();
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {};
+  const long long t0 = clock64();
+  for (int t = 0; t < tiles; t += 2) {
+    float x[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.0f;
+    reg_fence(x);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+      wg_ss<128, true, 0>(x, desc_kmajor(qa + (kk >> 2) * 8192 + (kk & 3) * 32),
+                          desc_kmajor(ka + (kk >> 2) * 16384 + (kk & 3) * 32), 1);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(x);
+    float alpha[2];
+    da_tile_update<16>(st, x, 0.125f, alpha);
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      acc[n][0] *= alpha[0], acc[n][1] *= alpha[0], acc[n][2] *= alpha[1], acc[n][3] *= alpha[1];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      uint32_t p[4][4];
+#pragma unroll
+      for (int kc = 0; kc < 4; kc++) {
+        const int f = 8 * h + 2 * kc;
+        p[kc][0] = da_pack2<true>(x[f][0], x[f][1]);
+        p[kc][1] = da_pack2<true>(x[f][2], x[f][3]);
+        p[kc][2] = da_pack2<true>(x[f + 1][0], x[f + 1][1]);
+        p[kc][3] = da_pack2<true>(x[f + 1][2], x[f + 1][3]);
+      }
+      uint64_t dv[4];
+#pragma unroll
+      for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + h * 8192 + kc * 2048, 8192);
+      reg_fence(acc);
+      wg_chain_pv_n128<true>(acc, p, dv);
+    }
+    wg_wait<0>();
+    reg_fence(acc);
+  }
+  const long long t1 = clock64();
+  if (threadIdx.x == 0) out[0] = t1 - t0;
+  float z = st.l[0] + st.l[1];
+  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
+  sink[threadIdx.x] = z;
+}
+
 int main() {
   long long *out;
   float *sink;
@@ -255,6 +316,14 @@ int main() {
     cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
     if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
     printf("form S of 128 keys (n128), %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
+  }
+  cudaFuncSetAttribute(chain_t128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  for (int wgs = 1; wgs <= 2; wgs++) {
+    chain_t128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
+    long long c = 0;
+    cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
+    if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+    printf("form 128-key tile, all steps, %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
   }
   return 0;
 }
