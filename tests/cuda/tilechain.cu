@@ -184,28 +184,39 @@ __global__ void __launch_bounds__(384, 1) chain(int form, int tiles, long long *
 /* S of 128 keys as m64n128k16 SS x 8 (what a 128-key contract tile would issue), on its own
  * kernel so that its 64 accumulator registers do not change chain()'s allocation. K's 128
  * rows read past K into V and P: timing only. */
-__global__ void __launch_bounds__(384, 1) chain_s128(int tiles, long long *out, float *sink) {
-  extern __shared__ __align__(1024) unsigned char raw[];
+/* Q's address in the 1024-aligned dynamic shared memory (K, V and P follow at 16 KiB
+ * steps), all 64 KiB filled with bf16 1.0 for the MMAs to read. */
+__device__ uint32_t probe_smem(unsigned char *raw) {
   unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384;
-  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u;
+  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3f803f80u;
   fence_async_smem();
   __syncthreads();
+  return smem_addr(sm);
+}
+
+/* d = S of 128 keys: 8 m64n128k16 SS k-steps, waited for (K's 128 rows read past K). */
+__device__ __forceinline__ void s128(float (&d)[16][4], uint32_t qa, uint32_t ka) {
+#pragma unroll
+  for (int n = 0; n < 16; n++) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
+  reg_fence(d);
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++)
+    wg_ss<128, true, 0>(d, desc_kmajor(qa + (kk >> 2) * 8192 + (kk & 3) * 32),
+                        desc_kmajor(ka + (kk >> 2) * 16384 + (kk & 3) * 32), 1);
+  wg_commit();
+  wg_wait<0>();
+  reg_fence(d);
+}
+
+__global__ void __launch_bounds__(384, 1) chain_s128(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  const uint32_t qa = probe_smem(raw), ka = qa + 16384;
   float z = 0.0f;
   const long long t0 = clock64();
   for (int t = 0; t < tiles; t += 2) {
     float d[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) d[n][0] = d[n][1] = d[n][2] = d[n][3] = 0.0f;
-    reg_fence(d);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-      wg_ss<128, true, 0>(d, desc_kmajor(qa + (kk >> 2) * 8192 + (kk & 3) * 32),
-                          desc_kmajor(ka + (kk >> 2) * 16384 + (kk & 3) * 32), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(d);
+    s128(d, qa, ka);
     z += d[t & 15][t & 3];
   }
   const long long t1 = clock64();
@@ -218,28 +229,14 @@ __global__ void __launch_bounds__(384, 1) chain_s128(int tiles, long long *out, 
  * V's second 64 rows read past their regions: timing only. */
 __global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, float *sink) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
-  for (int i = threadIdx.x; i < 4 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u;
-  fence_async_smem();
-  __syncthreads();
+  const uint32_t qa = probe_smem(raw), ka = qa + 16384, va = ka + 16384;
   da_row_state st;
   da_state_reset(st);
   float acc[16][4] = {};
   const long long t0 = clock64();
   for (int t = 0; t < tiles; t += 2) {
     float x[16][4];
-#pragma unroll
-    for (int n = 0; n < 16; n++) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.0f;
-    reg_fence(x);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++)
-      wg_ss<128, true, 0>(x, desc_kmajor(qa + (kk >> 2) * 8192 + (kk & 3) * 32),
-                          desc_kmajor(ka + (kk >> 2) * 16384 + (kk & 3) * 32), 1);
-    wg_commit();
-    wg_wait<0>();
-    reg_fence(x);
+    s128(x, qa, ka);
     float alpha[2];
     da_tile_update<16>(st, x, 0.125f, alpha);
 #pragma unroll
@@ -273,6 +270,18 @@ __global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, 
   sink[threadIdx.x] = z;
 }
 
+/* The cycles the last launch's first thread counted, or -1 after an error (printed). */
+static long long cycles(const long long *out) {
+  long long c = -1;
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) e = cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
+  if (e != cudaSuccess) {
+    printf("error: %s\n", cudaGetErrorString(e));
+    return -1;
+  }
+  return c;
+}
+
 int main() {
   long long *out;
   float *sink;
@@ -291,9 +300,8 @@ int main() {
   for (int form = 0; form < 7; form++) {
     for (int rep = 0; rep < 2; rep++) {
       chain<<<1, 128, 70 * 1024>>>(form, 256, out, sink, part, flag);
-      long long c = 0;
-      cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
-      if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+      const long long c = cycles(out);
+      if (c < 0) return 1;
       printf("form %s: %.0f cycles a tile\n", names[form], c / 256.0);
     }
   }
@@ -303,26 +311,23 @@ int main() {
   for (int f : forms) {
     for (int wgs = 2; wgs <= 3; wgs++) {
       chain<<<1, 128 * wgs, 70 * 1024>>>(f, 256, out, sink, part, flag);
-      long long c = 0;
-      cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
-      if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+      const long long c = cycles(out);
+      if (c < 0) return 1;
       printf("form %s, %d warpgroups side by side: %.0f cycles a tile of each\n", names[f], wgs, c / 256.0);
     }
   }
   cudaFuncSetAttribute(chain_s128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
   for (int wgs = 1; wgs <= 3; wgs++) {
     chain_s128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
-    long long c = 0;
-    cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
-    if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+    const long long c = cycles(out);
+    if (c < 0) return 1;
     printf("form S of 128 keys (n128), %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
   }
   cudaFuncSetAttribute(chain_t128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
   for (int wgs = 1; wgs <= 2; wgs++) {
     chain_t128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
-    long long c = 0;
-    cudaMemcpy(&c, out, 8, cudaMemcpyDeviceToHost);
-    if (cudaGetLastError() != cudaSuccess) { printf("error\n"); return 1; }
+    const long long c = cycles(out);
+    if (c < 0) return 1;
     printf("form 128-key tile, all steps, %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
   }
   return 0;
