@@ -62,9 +62,10 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
   return da_cuda_bench_fill_kv(*ctx, 42);
 }
 
-/* Times one batch of B sequences of n_q queries ending at L on shuffled pages. */
+/* Times one batch of B sequences of n_q queries ending at L on shuffled pages; n_sm (when
+ * not NULL) gets the device's SM count. */
 static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mode, const char *label,
-                     int32_t *pool_perm, int iters) {
+                     int32_t *pool_perm, int iters, int *n_sm) {
   da_attn *at = calloc((size_t)s->B, sizeof(*at));
   const int np = (int)pages_of(s->L);
   for (int b = 0; b < s->B; b++)
@@ -81,6 +82,7 @@ static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mo
   da_cuda_times t;
   rv = da_cuda_bench_time(ctx, WARM_MS, iters, &t);
   if (rv != 0) return rv;
+  if (n_sm != NULL) *n_sm = t.n_sm;
   const double ms = t.step_ms;
   double kv_bytes, flops;
   if (n_q == 1) {
@@ -91,7 +93,8 @@ static int time_case(void *ctx, const shape *s, int n_q, int S, da_split_mode mo
     flops = 4.0 * s->B * s->hq * s->d * ((double)n_q * (n_q + 1) / 2.0);
   }
   printf("%s,%d,%d,%d,%d,%d,1,%s%s,%d,%.4f,%.4f,%.4f,%.3f,%.1f,%.4f,%s\n", s->kind, s->B, s->L, s->hq,
-         s->hkv, s->d, label, res.partial_rows > 0 ? "+partial" : "+inrow", S, ms, t.attn_ms, ms - t.attn_ms,
+         s->hkv, s->d, label, res.partial_rows > 0 ? "+partial" : "+inrow", S > 0 ? S : DA_DEFAULT_SPLIT_TOKENS, ms,
+         t.attn_ms, ms - t.attn_ms,
          kv_bytes / (ms * 1e-3) / 1e12, flops / (ms * 1e-3) / 1e12, t.lat_ms, t.graph ? "graph" : "eager");
   fflush(stdout);
   return 0;
@@ -179,15 +182,11 @@ int da_bench_cuda(int argc, char **argv) {
         shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
-        rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20);
+        rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20, &n_sm);
         if (rv != 0) goto out;
-        if (bi == 0 && li == 0) {
-          da_cuda_times t;
-          if (da_cuda_bench_time(ctx, 0, 0, &t) == 0) n_sm = t.n_sm; /* no runs: the SM count */
-        }
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
         if (one_b > 0) continue;
-        rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20);
+        rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20, NULL);
         if (rv != 0) goto out;
       }
     }
@@ -208,7 +207,7 @@ int da_bench_cuda(int argc, char **argv) {
       rv = open_ctx(&ctx, s->hq, s->hkv, s->d, tokens, staging);
       if (rv != 0) return rv;
       int32_t *perm = shuffled(pages_of(tokens), 2);
-      rv = time_case(ctx, s, s->L, split, DA_SPLIT_AUTO, "fixedS", perm, 10);
+      rv = time_case(ctx, s, s->L, split, DA_SPLIT_AUTO, "fixedS", perm, 10, NULL);
       free(perm);
       da_cuda_backend_ops.destroy(ctx);
       ctx = NULL;
