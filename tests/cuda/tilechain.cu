@@ -282,6 +282,18 @@ static long long cycles(const long long *out) {
   return c;
 }
 
+/* A 128-key kernel with 1 .. max_wgs warpgroups, cycles a 64 keys of each; 1 after an error. */
+static int probe128(void (*k)(int, long long *, float *), int max_wgs, const char *what, long long *out, float *sink) {
+  cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  for (int wgs = 1; wgs <= max_wgs; wgs++) {
+    k<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
+    const long long c = cycles(out);
+    if (c < 0) return 1;
+    printf("form %s, %d warpgroup(s): %.0f cycles a 64 keys of each\n", what, wgs, c / 256.0);
+  }
+  return 0;
+}
+
 int main() {
   long long *out;
   float *sink;
@@ -316,19 +328,7 @@ int main() {
       printf("form %s, %d warpgroups side by side: %.0f cycles a tile of each\n", names[f], wgs, c / 256.0);
     }
   }
-  cudaFuncSetAttribute(chain_s128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-  for (int wgs = 1; wgs <= 3; wgs++) {
-    chain_s128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
-    const long long c = cycles(out);
-    if (c < 0) return 1;
-    printf("form S of 128 keys (n128), %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
-  }
-  cudaFuncSetAttribute(chain_t128, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-  for (int wgs = 1; wgs <= 2; wgs++) {
-    chain_t128<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
-    const long long c = cycles(out);
-    if (c < 0) return 1;
-    printf("form 128-key tile, all steps, %d warpgroup(s): %.0f cycles a 64 keys of each\n", wgs, c / 256.0);
-  }
+  if (probe128(chain_s128, 3, "S of 128 keys (n128)", out, sink) || probe128(chain_t128, 2, "128-key tile, all steps", out, sink))
+    return 1;
   return 0;
 }
