@@ -5,7 +5,8 @@
  *
  * Decode: B in {1, 8, 32, 64, 128} x L in {1k, 4k, 16k, 64k}, Hq 32, Hkv 8, d 128, bf16,
  * page 16 (--page N: 8 to 256), S 512 (fixed splits) and, for comparison only, an
- * occupancy-chosen split size.
+ * occupancy-chosen split size; tiles of T = 64 keys (--tile 128: the contract's 128-key
+ * tiles, head_dim <= 128).
  * Prefill: B 8 x L 4096 x H 32 at d 64 and 128, and B 2 x L 16384 x H 32 at d 128, causal
  * (the contract is causal; non-causal rows are reported for the peers only).
  * Prints one CSV line per case (header "kind,B,L,Hq,Hkv,d,causal,mode,S,ms,attn_ms,
@@ -30,6 +31,8 @@
 
 /* Tokens per KV page (--page), for the pool and the page tables of every case. */
 static int page = 16;
+/* Keys per tile T (--tile): 64 or 128. */
+static int tile = 64;
 
 static int64_t pages_of(int64_t tokens) { return (tokens + page - 1) / page; }
 
@@ -41,7 +44,7 @@ typedef struct shape {
 static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t staging) {
   da_backend_cfg cfg = {.model = {.n_layers = 1, .n_q_heads = hq, .n_kv_heads = hkv,
                                   .head_dim = d, .dtype = DA_BF16},
-                        .num = {.split_tokens = DA_DEFAULT_SPLIT_TOKENS, .tile_tokens = 64},
+                        .num = {.split_tokens = DA_DEFAULT_SPLIT_TOKENS, .tile_tokens = tile},
                         .page_tokens = page, .n_pages = (int)pages_of(tokens),
                         .staging_bytes = staging};
   da_model_defaults(&cfg.model);
@@ -56,9 +59,10 @@ static int open_ctx(void **ctx, int hq, int hkv, int d, int64_t tokens, size_t s
                                 "wgmma-pipelined (prefill_sm90.cu)", "wgmma-pingpong (prefill_sm90.cu)"};
   const int path = da_cuda_prefill_path(*ctx);
   fprintf(stderr,
-          "bench cuda: %s, KV %.1f GiB in pages of %d tokens, acc %.0f MiB, staging %.0f MiB, prefill path %s\n",
-          info.arch, info.kv_bytes / 1073741824.0, page, info.acc_bytes / 1048576.0, info.staging_bytes / 1048576.0,
-          path >= 0 && path < 4 ? paths[path] : "?");
+          "bench cuda: %s, KV %.1f GiB in pages of %d tokens, tiles of %d, acc %.0f MiB, staging %.0f MiB, prefill "
+          "path %s\n",
+          info.arch, info.kv_bytes / 1073741824.0, page, tile, info.acc_bytes / 1048576.0,
+          info.staging_bytes / 1048576.0, path >= 0 && path < 4 ? paths[path] : "?");
   return da_cuda_bench_fill_kv(*ctx, 42);
 }
 
@@ -118,8 +122,8 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
   int per_row = (2 * n_sm + B * hkv - 1) / (B * hkv);
   if (per_row < 1) per_row = 1;
   int S = (L + per_row - 1) / per_row;
-  S = (S + 63) / 64 * 64;
-  return S < 64 ? 64 : S;
+  S = (S + tile - 1) / tile * tile;
+  return S < tile ? tile : S;
 }
 
 int da_bench_cuda(int argc, char **argv) {
@@ -137,11 +141,18 @@ int da_bench_cuda(int argc, char **argv) {
         return 2;
       }
     }
+    else if (strcmp(argv[i], "--tile") == 0 && i + 1 < argc) {
+      tile = atoi(argv[++i]);
+      if (tile != 64 && tile != 128) {
+        fprintf(stderr, "bench cuda: --tile wants 64 or 128\n");
+        return 2;
+      }
+    }
     else if (strcmp(argv[i], "--split") == 0 && i + 1 < argc) {
       /* The fixed split size S of the timed cases (default DA_DEFAULT_SPLIT_TOKENS). */
       split = atoi(argv[++i]);
       if (split < 64 || split % 64 != 0) {
-        fprintf(stderr, "bench cuda: --split wants a multiple of 64\n");
+        fprintf(stderr, "bench cuda: --split wants a multiple of 64 (and of --tile)\n");
         return 2;
       }
     }

@@ -4,7 +4,7 @@
  * kv head, 64 packed rows, split range) from the list the backend built, so decode rows and
  * prefill rows run in the same launch through the same per-row arithmetic.
  *
- * Per warp: 16 rows. Per tile of T = 64 keys: S = Q K^T (k-order over head_dim ascending,
+ * Per warp: 16 rows. Per tile of T = 64 or 128 keys (BN): S = Q K^T (k-order over head_dim ascending,
  * in steps of 16), mask, da_tile_update, acc = alpha * acc + P V (k-order over keys
  * ascending, in steps of 16). A row's keys are never split across warps. K/V tiles are
  * shared by the CTA's four warps, double-buffered with cp.async; keys outside the block's
@@ -19,8 +19,6 @@
 namespace {
 
 constexpr int BM = DA_CU_BLOCK_ROWS;
-constexpr int BN = DA_CU_TILE;
-constexpr int NTS = BN / 8; /* n8 fragments per score tile */
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);
@@ -95,23 +93,26 @@ __device__ __forceinline__ row_info make_row(const da_cu_args &a, const da_cu_at
 /*
  * SPLIT = false: 4 warps, each owns 16 rows of the 64-row block and every key and column.
  * SPLIT = true (blocks of at most 16 rows: decode): NW = 8 warps share the 16 rows; warp w
- * computes S for keys [8w, 8w + 8) of each tile and P.V for columns [w D/8, (w+1) D/8);
+ * computes S for keys [NF 8w, NF 8(w + 1)) of each tile (NF = BN / 64 n8 fragments) and P.V
+ * for columns [w D/8, (w+1) D/8);
  * the scores go through shared memory so that every warp holds the whole tile and runs the
  * tile update itself. Both run the same per-row arithmetic (numerics.cuh) on the same
  * fragment layout, so a row gives the same bits either way.
  */
-template <int D, bool BF16, bool SPLIT>
-__global__ void __launch_bounds__(SPLIT ? 256 : 128, SPLIT ? 2 : (D == 64 ? 3 : (D == 128 ? 2 : 1)))
+template <int D, int BN, bool BF16, bool SPLIT>
+__global__ void __launch_bounds__(SPLIT ? 256 : 128,
+                                  SPLIT ? (BN == 64 ? 2 : 1) : (D == 64 ? (BN == 64 ? 3 : 2) : (D == 128 ? 2 : 1)))
 attn_kernel(const da_cu_args a) {
+  constexpr int NTS = BN / 8; /* n8 fragments per score tile */
   constexpr int NW = SPLIT ? 8 : 4;
+  constexpr int NF = SPLIT ? NTS / NW : NTS; /* score n8 fragments a warp computes */
   constexpr int NT = NW * 32;
   constexpr int NTD = D / 8;            /* n8 fragments over head_dim */
   constexpr int NV = SPLIT ? NTD / NW : NTD; /* output n8 fragments per warp */
   constexpr int CH = D / 8;             /* 16-byte chunks per row */
   constexpr int TILE_B = BN * D * 2;
   constexpr int QROWS = SPLIT ? 16 : BM;
-  constexpr int XCH_B = SPLIT ? NW * 32 * 16 : 0; /* the score exchange (4096 bytes) */
-  static_assert(!SPLIT || XCH_B == 4096, "smem_bytes reserves 4096 exchange bytes");
+  constexpr int XCH_B = SPLIT ? NTS * 32 * 16 : 0; /* the score exchange: a tile's scores */
   constexpr bool QREG = D <= 128;       /* Q fragments stay in registers */
   const int nst = a.stages;             /* 2 or 3 K/V stages */
 #if __CUDA_ARCH__ >= 900
@@ -263,33 +264,42 @@ attn_kernel(const da_cu_args a) {
     /* A tile inside every row's key range needs no mask (the block is uniform). */
     const bool full = kt * BN >= w0_max && kt * BN + BN - 1 <= p_min;
     if constexpr (SPLIT) {
-      float s[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+      float s[NF][4];
+#pragma unroll
+      for (int f = 0; f < NF; f++) s[f][0] = s[f][1] = s[f][2] = s[f][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; kk += 2) {
-        uint32_t kf[4];
-        ldsm_x4(kf, kb + swz<D>(warp * 8 + (lane & 7), kk * 2 + (lane >> 3)));
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-          uint32_t qa[4];
-          if constexpr (QREG) {
-            qa[0] = qreg[kk + h][0], qa[1] = qreg[kk + h][1], qa[2] = qreg[kk + h][2], qa[3] = qreg[kk + h][3];
-          } else {
-            ldsm_x4(qa, qb + swz<D>(lane & 15, (kk + h) * 2 + (lane >> 4)));
+        for (int f = 0; f < NF; f++) {
+          uint32_t kf[4];
+          ldsm_x4(kf, kb + swz<D>((warp * NF + f) * 8 + (lane & 7), kk * 2 + (lane >> 3)));
+#pragma unroll
+          for (int h = 0; h < 2; h++) {
+            uint32_t qa[4];
+            if constexpr (QREG) {
+              qa[0] = qreg[kk + h][0], qa[1] = qreg[kk + h][1], qa[2] = qreg[kk + h][2], qa[3] = qreg[kk + h][3];
+            } else {
+              ldsm_x4(qa, qb + swz<D>(lane & 15, (kk + h) * 2 + (lane >> 4)));
+            }
+            mma16816<BF16>(s[f], qa, kf[2 * h], kf[2 * h + 1]);
           }
-          mma16816<BF16>(s[0], qa, kf[2 * h], kf[2 * h + 1]);
         }
       }
-      /* This warp's 8 keys of the tile to every warp: each then holds the whole tile's
-       * scores in the prefill rows' layout and runs the same tile update on them (the update
-       * is redundant across the 8 warps, the memory-bound decode's spare issue slots). */
+      /* This warp's keys of the tile to every warp: each then holds the whole tile's scores
+       * in the prefill rows' layout and runs the same tile update on them (the update is
+       * redundant across the 8 warps, the memory-bound decode's spare issue slots). */
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const row_info &r = ri[e >> 1];
-        const int kp = kt * BN + warp * 8 + qd * 2 + (e & 1);
-        const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
-        s[0][e] = ok ? da_score_y(s[0][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
+      for (int f = 0; f < NF; f++) {
+        const int n = warp * NF + f;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const row_info &r = ri[e >> 1];
+          const int kp = kt * BN + n * 8 + qd * 2 + (e & 1);
+          const bool ok = full || (r.valid && kp >= r.w0 && kp <= r.p);
+          s[f][e] = ok ? da_score_y(s[f][e], a.softcap, a.cap_in, a.cap_out_log2) : -INFINITY;
+        }
+        x_s[n * 32 + lane] = make_float4(s[f][0], s[f][1], s[f][2], s[f][3]);
       }
-      x_s[warp * 32 + lane] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
       __syncthreads();
       float t[NTS][4];
 #pragma unroll
@@ -416,55 +426,61 @@ attn_kernel(const da_cu_args a) {
 
 /* Dynamic shared memory of one launch; the stage count and buffers only move data, never
  * the arithmetic. Three K/V stages where they fit at two CTAs per SM. */
-template <int D, bool SPLIT>
+template <int D, int BN, bool SPLIT>
 size_t smem_bytes(int stages, int inrow) {
-  const size_t q = (size_t)(SPLIT ? 16 : BM) * D * 2 + (SPLIT ? 4096 : 0);
+  const size_t q = (size_t)(SPLIT ? 16 : BM) * D * 2 + (SPLIT ? BN / 8 * 32 * 16 : 0);
   const size_t fold = inrow ? (size_t)(D / 8) * 4 * 32 * 4 * (SPLIT ? 1 : 4) : 0;
   return q + 2 * (size_t)stages * BN * D * 2 + fold;
 }
 
-template <int D, bool BF16, bool SPLIT>
+template <int D, int BN, bool BF16, bool SPLIT>
 cudaError_t launch(const da_cu_args *a, int first, int n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   da_cu_args g = *a;
   g.items = a->items + first;
   g.stages = D == 256 || (!SPLIT && D == 128 && a->has_inrow) ? 2 : 3;
-  const size_t smem = smem_bytes<D, SPLIT>(g.stages, a->has_inrow);
+  const size_t smem = smem_bytes<D, BN, SPLIT>(g.stages, a->has_inrow);
   /* The shared-memory limit is a per-device function attribute: set once per device. */
   static unsigned long long configured = 0;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    size_t mx = smem_bytes<D, SPLIT>(3, 1);
-    if (mx > 227 * 1024 - 1024) mx = 227 * 1024 - 1024; /* leave room for static s_pg */
-    e = cudaFuncSetAttribute(attn_kernel<D, BF16, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    size_t mx = smem_bytes<D, BN, SPLIT>(3, 1);
+    const size_t cap = 227 * 1024 - 3 * BN * sizeof(int32_t); /* the opt-in limit less the static s_pg */
+    if (mx > cap) mx = cap;
+    e = cudaFuncSetAttribute(attn_kernel<D, BN, BF16, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              (int)mx);
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
-  attn_kernel<D, BF16, SPLIT><<<n, SPLIT ? 256 : 128, smem, stream>>>(g);
+  attn_kernel<D, BN, BF16, SPLIT><<<n, SPLIT ? 256 : 128, smem, stream>>>(g);
   return cudaGetLastError();
 }
 
-template <int D, bool BF16>
+template <int D, int BN, bool BF16>
 cudaError_t launch_both(const da_cu_args *a, cudaStream_t stream) {
-  cudaError_t e = launch<D, BF16, false>(a, 0, a->n_items - a->n_split_items, stream);
+  cudaError_t e = launch<D, BN, BF16, false>(a, 0, a->n_items - a->n_split_items, stream);
   if (e != cudaSuccess) return e;
-  return launch<D, BF16, true>(a, a->n_items - a->n_split_items, a->n_split_items, stream);
+  return launch<D, BN, BF16, true>(a, a->n_items - a->n_split_items, a->n_split_items, stream);
 }
 
 } // namespace
 
 extern "C" int da_cuda_attn(const da_cu_args *a, cudaStream_t stream) {
   if (a->n_items == 0) return 0;
-  switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
-  case 64 * 2 + 1: return (int)launch_both<64, true>(a, stream);
-  case 64 * 2: return (int)launch_both<64, false>(a, stream);
-  case 128 * 2 + 1: return (int)launch_both<128, true>(a, stream);
-  case 128 * 2: return (int)launch_both<128, false>(a, stream);
-  case 256 * 2 + 1: return (int)launch_both<256, true>(a, stream);
-  case 256 * 2: return (int)launch_both<256, false>(a, stream);
+  /* T = 128 at head_dim <= 128 only: a tile's K and V of head_dim 256 would not fit twice. */
+  switch (a->head_dim * 4 + (a->tile_tokens == 128 ? 2 : 0) + (a->bf16 ? 1 : 0)) {
+  case 64 * 4 + 1: return (int)launch_both<64, 64, true>(a, stream);
+  case 64 * 4: return (int)launch_both<64, 64, false>(a, stream);
+  case 64 * 4 + 3: return (int)launch_both<64, 128, true>(a, stream);
+  case 64 * 4 + 2: return (int)launch_both<64, 128, false>(a, stream);
+  case 128 * 4 + 1: return (int)launch_both<128, 64, true>(a, stream);
+  case 128 * 4: return (int)launch_both<128, 64, false>(a, stream);
+  case 128 * 4 + 3: return (int)launch_both<128, 128, true>(a, stream);
+  case 128 * 4 + 2: return (int)launch_both<128, 128, false>(a, stream);
+  case 256 * 4 + 1: return (int)launch_both<256, 64, true>(a, stream);
+  case 256 * 4: return (int)launch_both<256, 64, false>(a, stream);
   }
   return (int)cudaErrorInvalidValue;
 }

@@ -164,9 +164,15 @@ static int check_cfg(const da_backend_cfg *cfg, char *err, size_t errlen) {
     snprintf(err, errlen, "cuda: %s", msg);
     return rv;
   }
-  if (cfg->num.tile_tokens != DA_CU_TILE) {
-    snprintf(err, errlen, "cuda: tile_tokens must be %d (the kernels' fixed tile), got %d",
-             DA_CU_TILE, cfg->num.tile_tokens);
+  const int T = cfg->num.tile_tokens;
+  if (T != DA_CU_TILE && T != DA_CU_TILE_MAX) {
+    snprintf(err, errlen, "cuda: tile_tokens must be %d or %d (the kernels' tiles), got %d", DA_CU_TILE,
+             DA_CU_TILE_MAX, T);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  if (T == DA_CU_TILE_MAX && cfg->model.head_dim > 128) {
+    snprintf(err, errlen, "cuda: tile_tokens %d needs head_dim <= 128 (a tile's K and V in shared memory), got %d",
+             T, cfg->model.head_dim);
     return DETATTN_INVALID_ARGUMENT;
   }
   if (cfg->page_tokens < 8 || cfg->page_tokens > 256 || (cfg->page_tokens & (cfg->page_tokens - 1))) {
@@ -196,8 +202,11 @@ static struct flight *flights_alloc(void);
  * warpgroups at 64; NOTES.md v3.5): 64 pipelined 5 % faster at S 512 and 2048; 128 ping-pong
  * 10-17 % faster on B 8 L 4k, pipelined 1-7 % faster only on the longest rows at S 2048.
  */
-#define DA_CUDA_PREFILL_DEFAULT(head_dim) \
-  ((head_dim) == 64 ? DA_CU_SM90_PIPELINED : (head_dim) == 128 ? DA_CU_SM90_PINGPONG : 0)
+#define DA_CUDA_PREFILL_DEFAULT(head_dim, tile)                                                  \
+  ((tile) == 128 && (head_dim) == 128 ? DA_CU_SM90_SERIAL                                         \
+   : (head_dim) == 64                 ? DA_CU_SM90_PIPELINED                                      \
+   : (head_dim) == 128                ? DA_CU_SM90_PINGPONG                                       \
+                                      : 0)
 
 /* A path switch (tests and benchmarks): the value of environment variable var among its
  * choices, dflt when unset or empty; anything else fails with the choices in the message. */
@@ -224,14 +233,14 @@ static int env_pick(const char *var, const env_choice *ch, size_t n, int dflt, i
 
 /* DA_CUDA_PREFILL: mma (attn.cu), wgmma (the head_dim's default wgmma variant, pipelined
  * where the default is mma), wgmma-serial, wgmma-pipelined, wgmma-pingpong. */
-static int prefill_path(int head_dim, int *path, char *err, size_t errlen) {
+static int prefill_path(int head_dim, int tile, int *path, char *err, size_t errlen) {
   enum { WGMMA_DEFAULT = -1 };
   static const env_choice names[] = {{"mma", 0},
                                      {"wgmma", WGMMA_DEFAULT},
                                      {"wgmma-serial", DA_CU_SM90_SERIAL},
                                      {"wgmma-pipelined", DA_CU_SM90_PIPELINED},
                                      {"wgmma-pingpong", DA_CU_SM90_PINGPONG}};
-  const int dflt = DA_CUDA_PREFILL_DEFAULT(head_dim);
+  const int dflt = DA_CUDA_PREFILL_DEFAULT(head_dim, tile);
   const int rv = env_pick("DA_CUDA_PREFILL", names, sizeof(names) / sizeof(names[0]), dflt, path, err, errlen);
   if (*path == WGMMA_DEFAULT) *path = dflt != 0 ? dflt : DA_CU_SM90_PIPELINED;
   return rv;
@@ -294,7 +303,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   const da_model *m = &cfg->model;
   {
     int path = 0, dec = 0;
-    rv = prefill_path(m->head_dim, &path, err, errlen);
+    rv = prefill_path(m->head_dim, cfg->num.tile_tokens, &path, err, errlen);
     if (rv == 0) rv = decode_path(&dec, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
@@ -314,7 +323,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     (void)path, (void)dec;
 #endif
   }
-  c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS(m->head_dim) : DA_CU_BLOCK_ROWS;
+  c->brows = c->sm90_prefill ? DA_CU_SM90_BLOCK_ROWS(m->head_dim, cfg->num.tile_tokens) : DA_CU_BLOCK_ROWS;
   c->page_bytes = (int64_t)m->n_layers * 2 * m->n_kv_heads * cfg->page_tokens * m->head_dim * 2;
   c->kv_bytes = (size_t)c->page_bytes * (size_t)cfg->n_pages;
   int slots = cfg->acc_slots > 0 ? cfg->acc_slots : DEFAULT_ACC_SLOTS;
@@ -564,7 +573,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   const int64_t slots = c->sm90_decode ? grid * pl->pipes : 2 * (int64_t)c->n_sm;
   int64_t n_part = 0;
-  pl->per = da_cu_partial_per(m, c->brows, S, DA_CU_TILE, b, pl->partial, slots, &n_part);
+  pl->per = da_cu_partial_per(m, c->brows, S, c->cfg.num.tile_tokens, b, pl->partial, slots, &n_part);
   pl->n_items += n_part;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
@@ -649,7 +658,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   if (c->sm90_prefill && c->sm90_grid >= 0) {
     const int64_t n_l = c->sm90_decode ? n_it : n_it - n_split;
     const int64_t grid = (c->sm90_grid > 0 ? c->sm90_grid : c->n_sm) * pl->pipes;
-    (void)da_cu_deal(m, c->brows, S, DA_CU_TILE, b->attns, its, n_l, grid < n_l ? grid : n_l);
+    (void)da_cu_deal(m, c->brows, S, c->cfg.num.tile_tokens, b->attns, its, n_l, grid < n_l ? grid : n_l);
   }
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -729,7 +738,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->head_dim = m->head_dim, g->page_tokens = P;
   g->page_shift = 0;
   while ((1 << g->page_shift) < P) g->page_shift++;
-  g->split_tokens = S, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
+  g->split_tokens = S, g->tile_tokens = c->cfg.num.tile_tokens, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
@@ -985,8 +994,8 @@ int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64
   char *err = res->err;
   size_t errlen = sizeof(res->err);
   int S = split_tokens > 0 ? split_tokens : c->cfg.num.split_tokens;
-  if (S % DA_CU_TILE != 0) {
-    snprintf(err, errlen, "split_tokens %d is not a multiple of %d", S, DA_CU_TILE);
+  if (S % c->cfg.num.tile_tokens != 0) {
+    snprintf(err, errlen, "split_tokens %d is not a multiple of %d", S, c->cfg.num.tile_tokens);
     return DETATTN_INVALID_ARGUMENT;
   }
   if (c->fl_n > 0) {

@@ -28,10 +28,13 @@
 extern "C" {
 #endif
 
-#define DA_CU_TILE 64       /* T: keys per tile, fixed by the kernels */
+/* T: keys per tile, da_cu_args.tile_tokens: DA_CU_TILE or DA_CU_TILE_MAX (head_dim <= 128) */
+#define DA_CU_TILE 64
+#define DA_CU_TILE_MAX 128
 #define DA_CU_BLOCK_ROWS 64 /* rows per CTA: 4 warps x 16 rows */
-/* rows per CTA of prefill_sm90.cu: 3 consumer warpgroups x 64 rows at head_dim 64, 2 at 128 */
-#define DA_CU_SM90_BLOCK_ROWS(d) ((d) == 64 ? 192 : 128)
+/* rows per CTA of prefill_sm90.cu: 3 consumer warpgroups x 64 rows at head_dim 64 and T 64,
+ * else 2 */
+#define DA_CU_SM90_BLOCK_ROWS(d, t) ((d) == 64 && (t) == 64 ? 192 : 128)
 #define DA_CU_COMBINE_ROWS 1 /* rows per combine CTA */
 
 /* One attention request of the batch. Offsets are in elements of their buffer. */
@@ -84,6 +87,7 @@ typedef struct da_cu_args {
   int stages;         /* set by the attention launcher: K/V pipeline depth */
   int n_pool_pages;   /* pages in the KV pool (prefill_sm90.cu's tensor map spans it) */
   int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
+  int tile_tokens;    /* T: DA_CU_TILE, or DA_CU_TILE_MAX where head_dim <= 128 */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items

@@ -71,6 +71,11 @@ out += chain("wg_chain_s_rs4_z", 64, 4, True, True, 0)      # S d=64: Q regs, 4 
 out += chain("wg_chain_s_ss8_z", 64, 8, False, True, 0)     # S d=128: Q in shared memory
 out += chain("wg_chain_pv_n64", 64, 4, True, False, 1)      # P.V d=64
 out += chain("wg_chain_pv_n128", 128, 4, True, False, 1)    # P.V d=128
+# T = 128 (overloads: the array sizes pick them): S over 128 keys, P.V over 128 keys
+out += chain("wg_chain_s_rs4_z", 128, 4, True, True, 0)
+out += chain("wg_chain_s_ss8_z", 128, 8, False, True, 0)
+out += chain("wg_chain_pv_n64", 64, 8, True, False, 1)
+out += chain("wg_chain_pv_n128", 128, 8, True, False, 1)
 out += "/* ---- wgmma chains: END */\n"
 path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90.cuh")
 src = open(path).read()

@@ -44,23 +44,22 @@ using namespace da_sm90;
 
 namespace {
 
-constexpr int BN = DA_CU_TILE; /* keys per tile */
-constexpr int NTS = BN / 8;    /* n8 fragments of a score tile */
 /* Named barrier of consumer warpgroup c's Q stores: Q_BAR0 + c (ids below 8 left free, as
  * CUTLASS does: NOTES v5.1 saw ids 1-2 fail with bar.arrive in this kernel). */
 constexpr int Q_BAR0 = 8;
 
-/* Consumer warpgroups per CTA: three at head_dim 64, where a tile's softmax is long next to
- * its MMAs (FA3's 192-row shape), two at 128. */
-template <int D> struct cta {
-  static constexpr int NCW = D == 64 ? 3 : 2;
+/* Consumer warpgroups per CTA: three at head_dim 64 and T = 64, where a tile's softmax is
+ * long next to its MMAs (FA3's 192-row shape), two at 128 or T = 128 (S over 128 keys takes
+ * 64 registers a thread). */
+template <int D, int BN> struct cta {
+  static constexpr int NCW = D == 64 && BN == 64 ? 3 : 2;
   static constexpr int BM = NCW * 64; /* rows per CTA */
   static constexpr int NTHREADS = 128 * (NCW + 1);
   /* setmaxnreg: the producer warpgroup gives registers back, the consumers take them (the
    * 64K register file: 128 PREGS + 128 NCW CREGS <= 65536). */
   static constexpr int PREGS = NCW == 3 ? 32 : 40;
   static constexpr int CREGS = NCW == 3 ? 160 : 232;
-  static_assert(BM == DA_CU_SM90_BLOCK_ROWS(D), "rows per CTA");
+  static_assert(BM == DA_CU_SM90_BLOCK_ROWS(D, BN), "rows per CTA");
   static_assert(128 * PREGS + 128 * NCW * CREGS <= 65536, "register file");
 };
 
@@ -68,15 +67,16 @@ template <int D> struct cta {
  * (QS), the barriers, then the K/V stages (stage s: K, then V). At head_dim 64 Q lives in
  * registers; the in-row fold (fp32 o of every row) always does. A launch allocates the stages
  * it uses (bytes(nst)): a smaller carve-out leaves more L1. */
-template <int D>
+template <int D, int BN>
 struct layout {
-  /* K/V stages: NST_RING in one ring; a decode launch with pipes uses NST_MAX, split evenly. */
-  static constexpr int NST_RING = D == 128 ? 4 : 6;
-  static constexpr int NST_MAX = 6;
+  /* K/V stages: NST_RING in one ring; a decode launch with pipes uses NST_MAX, split evenly.
+   * A stage of head_dim 128 and T = 128 is 64 KB: three fit beside Q, and no pipes. */
+  static constexpr int NST_RING = D == 128 ? (BN == 64 ? 4 : 3) : 6;
+  static constexpr int NST_MAX = D == 128 && BN == 128 ? 3 : 6;
   static constexpr int CB = D / 64;            /* 64-column blocks of a row */
   static constexpr int TILE_B = BN * D * 2;    /* one K or V tile */
   static constexpr int STAGE_B = 2 * TILE_B;   /* K and V of a tile */
-  static constexpr int NCW = cta<D>::NCW;
+  static constexpr int NCW = cta<D, BN>::NCW;
   /* Q in shared memory (S by an SS wgmma chain) where registers are short: at head_dim 128
    * the fold's 64 registers a thread would not fit beside Q's 32. Same 128-byte swizzled
    * [64][64] blocks as K, 64 rows a warpgroup. */
@@ -123,9 +123,9 @@ struct item_range {
   int kt_begin, kt_end, w0_min, p_max;
 };
 
-template <int D>
+template <int D, int BN>
 __device__ __forceinline__ item_range cta_range(const da_cu_args &a, int idx) {
-  constexpr int BM = cta<D>::BM;
+  constexpr int BM = cta<D, BN>::BM;
   item_range r;
   r.it = a.items[idx];
   r.at = a.attns[r.it.attn];
@@ -158,17 +158,17 @@ struct ring_pos {
  * chunks that meet the range, onto the aux barrier, waits for them, zeroes the rows outside
  * the range and then arrives on full[stage].
  */
-template <int D>
+template <int D, int BN>
 __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &ir, const CUtensorMap *tm, uint32_t base,
                                         ring_pos &rp, uint32_t bar_aux, uint32_t &aux_ph) {
-  using L = layout<D>;
+  using L = layout<D, BN>;
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
   const int kt_begin = ir.kt_begin, kt_end = ir.kt_end, w0_min = ir.w0_min, p_max = ir.p_max;
   const int lane = threadIdx.x & 31;
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
   const int R = a.page_tokens < BN ? a.page_tokens : BN; /* rows per box */
-  const int nchunk = BN / R;                             /* 1, 2, 4 or 8 (page_tokens >= 8) */
+  const int nchunk = BN / R;                             /* 1 to 16 (page_tokens >= 8) */
   const int tpb = 32 / nchunk;                           /* tiles per page-id batch */
   const int64_t page_rows = (int64_t)a.n_layers * 2 * a.n_kv_heads * a.page_tokens;
   const int64_t k_rows = ((int64_t)at.layer * 2 * a.n_kv_heads + it.kv_head) * a.page_tokens;
@@ -205,8 +205,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
       const int row = (int)((int64_t)pg * page_rows + k_rows + (c0 & (a.page_tokens - 1)));
 #pragma unroll
       for (int cb = 0; cb < L::CB; cb++) {
-        tma_load_2d(kd + cb * 64 * 128 + lane * R * 128, tm, cb * 64, row, bar);
-        tma_load_2d(vd + cb * 64 * 128 + lane * R * 128, tm, cb * 64, row + (int)v_rows, bar);
+        tma_load_2d(kd + cb * BN * 128 + lane * R * 128, tm, cb * 64, row, bar);
+        tma_load_2d(vd + cb * BN * 128 + lane * R * 128, tm, cb * 64, row + (int)v_rows, bar);
       }
     }
     if (!clean) {
@@ -218,7 +218,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
       for (int i = lane; i < BN * L::CB * 8; i += 32) {
         const int r = i / (L::CB * 8), c = i % (L::CB * 8), kp = k0 + r;
         if (kp < w0_min || kp > p_max) {
-          const uint32_t off = (c >> 3) * 64 * 128 + r * 128 + (c & 7) * 16;
+          const uint32_t off = (c >> 3) * BN * 128 + r * 128 + (c & 7) * 16;
           st_shared_zero16(kd + off);
           st_shared_zero16(vd + off);
         }
@@ -257,10 +257,11 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
  * others' MMAs. All run the same number of slots (tiles they skip included), so the turns
  * pair up; this form keeps the per-segment schedule, drained at split ends.
  */
-template <int D, bool BF16, bool PIPE, bool CAP>
+template <int D, int BN, bool BF16, bool PIPE, bool CAP>
 __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
                                         int cw, int wrow, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
-  using L = layout<D>;
+  using L = layout<D, BN>;
+  constexpr int NTS = BN / 8; /* n8 fragments of a score tile */
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
   const int kt_begin = warp_uniform(ir.kt_begin), kt_end = warp_uniform(ir.kt_end);
@@ -357,12 +358,12 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
   /* Descriptors of stage 0's K (k-step 0) and V (key step 0); a stage is TILE_B further. */
-  const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, 64 * 128);
+  const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, BN * 128);
   const uint64_t dq = desc_kmajor(q_s);
 
-  /* K-major operand (K, or Q in shared memory) of k-step kk: its 64-column block, then 32
-   * bytes a k16 step inside it. */
-  auto kstep = [](uint64_t d, int kk) { return desc_add(d, (kk >> 2) * 64 * 128 + (kk & 3) * 32); };
+  /* K-major operand (K: BN rows, or Q in shared memory: 64) of k-step kk: its 64-column
+   * block, then 32 bytes a k16 step inside it. */
+  auto kstep = [](uint64_t d, int kk, int rows) { return desc_add(d, (kk >> 2) * rows * 128 + (kk & 3) * 32); };
   /* S of the tile in stage stg into s: one wgmma chain, Q from registers (head_dim 64) or
    * shared memory (QS), K from shared memory; the first k-step with scale-d = 0 (d = Q K^T,
    * as from attn.cu's zeroed accumulator: at most the sign of an exact zero differs, which
@@ -371,11 +372,11 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     const uint64_t dk = desc_add(dk0, (uint32_t)stg * L::STAGE_B);
     uint64_t db[NK];
 #pragma unroll
-    for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk);
+    for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk, BN);
     if constexpr (L::QS) {
       uint64_t da[NK];
 #pragma unroll
-      for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk);
+      for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk, 64);
       wg_chain_s_ss8_z<BF16>(s, da, db);
     } else {
       wg_chain_s_rs4_z<BF16>(s, qf, db);
@@ -662,10 +663,10 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
  * and V = gridDim.x pipes; consumer warpgroups past the pipes stay idle. A decode tile's
  * update is one warpgroup's latency chain, so a CTA's K/V stream runs as fast as that chain
  * allows (~40 GB/s an SM on an H200); pipes run two such chains an SM (NOTES v5.3). */
-template <int D, bool BF16, bool PIPE, bool CAP>
-__global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
+template <int D, int BN, bool BF16, bool PIPE, bool CAP>
+__global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst) {
-  using L = layout<D>;
+  using L = layout<D, BN>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
    * it, and read the partials only after this grid has completed (griddepcontrol.wait). */
@@ -691,16 +692,16 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
   const int nstp = nst / pipes;
   const int nv = (int)gridDim.x * pipes;
   if (threadIdx.x < 128) {
-    regs_dec<cta<D>::PREGS>();
+    regs_dec<cta<D, BN>::PREGS>();
     const int w = warp_uniform((int)threadIdx.x / 32);
     if (w < pipes) {
       ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
       uint32_t aux_ph = 0;
       for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
-        produce<D>(a, cta_range<D>(a, i), &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
+        produce<D, BN>(a, cta_range<D, BN>(a, i), &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
     }
   } else {
-    regs_inc<cta<D>::CREGS>();
+    regs_inc<cta<D, BN>::CREGS>();
     const int cw = warp_uniform((int)threadIdx.x / 128) - 1;
     const int w = pipes > 1 ? cw : 0;
     if (w >= pipes) return;
@@ -709,7 +710,7 @@ __global__ void __launch_bounds__(cta<D>::NTHREADS, 1)
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
-      consume<D, BF16, PIPE, CAP>(a, cta_range<D>(a, i), i + nv < n ? i + nv : -1, base, cw, pipes > 1 ? 0 : cw * 64,
+      consume<D, BN, BF16, PIPE, CAP>(a, cta_range<D, BN>(a, i), i + nv < n ? i + nv : -1, base, cw, pipes > 1 ? 0 : cw * 64,
                                   pingpong, rp, turn_ph);
   }
 }
@@ -730,9 +731,9 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, bool BF16, bool PIPE, bool CAP>
+template <int D, int BN, bool BF16, bool PIPE, bool CAP>
 cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes, cudaStream_t stream) {
-  using L = layout<D>;
+  using L = layout<D, BN>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
    * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
   const uint64_t rows = (uint64_t)a->n_pool_pages * a->n_layers * 2 * a->n_kv_heads * a->page_tokens;
@@ -754,27 +755,27 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(prefill_kernel<D, BN, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              L::bytes(L::NST_MAX));
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
   }
   const int nst = pipes > 1 ? L::NST_MAX : L::NST_RING;
-  prefill_kernel<D, BF16, PIPE, CAP><<<grid, cta<D>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, n, pingpong, pipes, nst);
+  prefill_kernel<D, BN, BF16, PIPE, CAP><<<grid, cta<D, BN>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, n, pingpong, pipes, nst);
   return cudaGetLastError();
 }
 
-template <bool CAP>
+template <int BN, bool CAP>
 int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, cudaStream_t stream) {
   switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
-  case 64 * 4 + 3: return (int)launch<64, true, true, CAP>(a, n, grid, pp, pipes, stream);
-  case 64 * 4 + 2: return (int)launch<64, true, false, CAP>(a, n, grid, 0, pipes, stream);
-  case 64 * 4 + 1: return (int)launch<64, false, true, CAP>(a, n, grid, pp, pipes, stream);
-  case 64 * 4: return (int)launch<64, false, false, CAP>(a, n, grid, 0, pipes, stream);
-  case 128 * 4 + 3: return (int)launch<128, true, true, CAP>(a, n, grid, pp, pipes, stream);
-  case 128 * 4 + 2: return (int)launch<128, true, false, CAP>(a, n, grid, 0, pipes, stream);
-  case 128 * 4 + 1: return (int)launch<128, false, true, CAP>(a, n, grid, pp, pipes, stream);
-  case 128 * 4: return (int)launch<128, false, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 64 * 4 + 3: return (int)launch<64, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 64 * 4 + 2: return (int)launch<64, BN, true, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 64 * 4 + 1: return (int)launch<64, BN, false, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 64 * 4: return (int)launch<64, BN, false, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 128 * 4 + 3: return (int)launch<128, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4 + 2: return (int)launch<128, BN, true, false, CAP>(a, n, grid, 0, pipes, stream);
+  case 128 * 4 + 1: return (int)launch<128, BN, false, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4: return (int)launch<128, BN, false, false, CAP>(a, n, grid, 0, pipes, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
@@ -790,10 +791,18 @@ extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream
   /* Pipes on a persistent grid where the items outnumber the SMs (else one item a CTA
    * spreads them wider); no ping-pong in a pipe (one consumer warpgroup). */
   const bool per_item = (variant & DA_CU_SM90_PER_ITEM) || a->n_sm <= 0;
-  const int pipes = (variant & DA_CU_SM90_PIPES) && (per_item || n > a->n_sm) ? DA_CU_SM90_N_PIPES : 1;
+  /* No pipes where a pipe would get a single stage (head_dim 128 at T = 128). */
+  const bool pipes_fit = !(a->head_dim == 128 && a->tile_tokens == 128);
+  const int pipes =
+      (variant & DA_CU_SM90_PIPES) && pipes_fit && (per_item || n > a->n_sm) ? DA_CU_SM90_N_PIPES : 1;
   const int pp = v == DA_CU_SM90_PINGPONG && pipes == 1;
   int grid = per_item ? (n + pipes - 1) / pipes : a->n_sm;
   if (grid > (n + pipes - 1) / pipes) grid = (n + pipes - 1) / pipes;
-  if (a->softcap) return dispatch<true>(a, n, grid, pipe, pp, pipes, stream);
-  return dispatch<false>(a, n, grid, pipe, pp, pipes, stream);
+  switch (a->tile_tokens * 2 + (a->softcap ? 1 : 0)) {
+  case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, stream);
+  case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, stream);
+  case 128 * 2 + 1: return dispatch<128, true>(a, n, grid, pipe, pp, pipes, stream);
+  case 128 * 2: return dispatch<128, false>(a, n, grid, pipe, pp, pipes, stream);
+  }
+  return (int)cudaErrorInvalidValue;
 }

@@ -6,11 +6,13 @@
 # drain the daemon to exit 0.
 # Exit 0 pass, 1 fail, 77 skipped (no CUDA device: nvidia-smi missing or failing, or the
 # daemon reports no usable device).
-# Usage: daemon_verify.sh <detattnd> <detattn cli> [seed]
+# Usage: daemon_verify.sh <detattnd> <detattn cli> [seed]; DETATTN_VERIFY_TILE=128 runs the
+# daemon with 128-key tiles (default 64).
 set -u
 detattnd=$1
 cli=$2
 seed=${3:-${DETATTN_TEST_SEED:-$(( $(date +%s) % 100000 + 1 ))}}
+tile=${DETATTN_VERIFY_TILE:-64}
 . "$(dirname "${BASH_SOURCE[0]}")/../common/gpu_daemon.sh"
 
 skip_without_cuda_device
@@ -31,7 +33,7 @@ fail() {
 
 url="ipc://$dir/d.sock"
 "$detattnd" --listen "$url" --backend cuda --layers 4 --q-heads 32 --kv-heads 8 --head-dim 128 \
-  --split-tokens 256 --tile-tokens 64 --page-tokens 16 --kv-tokens 65536 --max-seqs 64 \
+  --split-tokens 256 --tile-tokens "$tile" --page-tokens 16 --kv-tokens 65536 --max-seqs 64 \
   --max-request-tokens 2048 --max-batch-tokens 4096 --log-level info 2> "$dir/detattnd.log" &
 pid=$!
 

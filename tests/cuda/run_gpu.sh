@@ -2,7 +2,8 @@
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
 # Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling|chain] [--quick]
-# SPLIT=N: the bench's fixed split size S (default 512, the daemon's default).
+# SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
+# bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth (tests/cuda/readbw.cu);
 # chain: cycles of one warpgroup's serial tile chain (tests/cuda/tilechain.cu).
@@ -59,7 +60,7 @@ if [ "$what" != tests ]; then
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu-prefill.txt" | grep -E "[0-9]" | head -90
     exit 0
   fi
-  $BENCH $bqs ${SPLIT:+--split $SPLIT} > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
+  $BENCH $bqs ${SPLIT:+--split $SPLIT} ${TILE:+--tile $TILE} > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
   python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
     > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
   cat "$OUT/ours.csv"

@@ -19,6 +19,7 @@ typedef struct tcfg {
   int hq, hkv, d, window, S, P;
   da_dtype dt;
   float softcap;
+  int T; /* tile_tokens; 0: 64 */
 } tcfg;
 
 /* A sequence with its whole future K/V and q held on the host, appended piecewise. */
@@ -41,7 +42,7 @@ static da_model model_of(const tcfg *c) {
 
 static da_backend *open_be(const tcfg *c) {
   da_backend_cfg cfg = {.model = model_of(c),
-                        .num = {.split_tokens = c->S, .tile_tokens = 64},
+                        .num = {.split_tokens = c->S, .tile_tokens = c->T ? c->T : 64},
                         .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 16,
                         .staging_bytes = 16u << 20, .poison = 1};
   da_backend *be = NULL;
@@ -108,6 +109,9 @@ static const tcfg cfgs[] = {
     {.hq = 8, .hkv = 1, .d = 128, .window = 200, .S = 128, .P = 16, .dt = DA_FP16, .softcap = 30.0f},
     {.hq = 6, .hkv = 2, .d = 256, .window = 0, .S = 192, .P = 8, .dt = DA_BF16, .softcap = 20.0f},
     {.hq = 4, .hkv = 2, .d = 64, .window = 100, .S = 64, .P = 64, .dt = DA_FP16},
+    /* T = 128 (head_dim <= 128): the same contract with 128-key tiles, its own bits. */
+    {.hq = 8, .hkv = 2, .d = 128, .window = 0, .S = 256, .P = 16, .dt = DA_BF16, .T = 128},
+    {.hq = 4, .hkv = 2, .d = 64, .window = 150, .S = 128, .P = 8, .dt = DA_FP16, .softcap = 20.0f, .T = 128},
 };
 #define N_CFGS (int)(sizeof(cfgs) / sizeof(cfgs[0]))
 
@@ -363,15 +367,22 @@ START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
 }
 END_TEST
 
+/* T other than 64 and 128, and T = 128 at head_dim 256, fail create() with the reason. */
 START_TEST(create_rejects_other_tile_sizes) {
-  tcfg c = cfgs[0];
-  da_backend_cfg cfg = {.model = model_of(&c), .num = {.split_tokens = 128, .tile_tokens = 32},
-                        .page_tokens = 16, .n_pages = 16};
-  da_backend *be = NULL;
-  char err[256] = "";
-  ck_assert_int_eq(da_backend_open(&be, "cuda", &cfg, err, sizeof(err)), DETATTN_INVALID_ARGUMENT);
-  ck_assert_msg(strstr(err, "tile_tokens must be 64") != NULL, "message: %s", err);
-  ck_assert_ptr_null(be);
+  static const struct {
+    int cfg, T;
+    const char *msg;
+  } bad[] = {{0, 32, "tile_tokens must be 64 or 128"}, {0, 256, "tile_tokens must be 64 or 128"},
+             {3, 128, "tile_tokens 128 needs head_dim <= 128"}};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    da_backend_cfg cfg = {.model = model_of(&cfgs[bad[i].cfg]), .num = {.split_tokens = 256, .tile_tokens = bad[i].T},
+                          .page_tokens = 16, .n_pages = 16};
+    da_backend *be = NULL;
+    char err[256] = "";
+    ck_assert_int_eq(da_backend_open(&be, "cuda", &cfg, err, sizeof(err)), DETATTN_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(err, bad[i].msg) != NULL, "message: %s", err);
+    ck_assert_ptr_null(be);
+  }
 }
 END_TEST
 
@@ -421,7 +432,7 @@ END_TEST
 static const struct golden {
   unsigned kernel_version;
   const char *arch;
-  uint64_t digest[5];
+  uint64_t digest[N_CFGS]; /* 0: not recorded (the T = 128 cfgs arrived with version 5) */
 } goldens[] = {
     /* H100 2026-11-24; the same before and after the fast row division (v3 bits kept). */
     {3, "sm_90", {0xd6d9c2bee9b96391ull, 0x4d5d2815819c40feull, 0xcb50b9bde1276523ull, 0xfd61064e2ed50f20ull,
@@ -432,9 +443,10 @@ static const struct golden {
     /* H200 and H100 2026-11-27: numerics.cuh v5 (a per-row reciprocal and a multiply per
      * element at split ends and merges instead of an exact division per element). */
     {5, "sm_90", {0xb79dd2f80071ea1bull, 0x32d8f7cdb5fcd92eull, 0xf6ab0756346b6e94ull, 0x959d663dad908e13ull,
-                  0x84e5eadc5e639efaull}},
+                  0x84e5eadc5e639efaull,
+                  /* T = 128, H200 2026-11-27 (the first run of the 128-key kernels) */
+                  0xf27df8c4b10432a8ull, 0x55245f03b7101ad6ull}},
 };
-_Static_assert(sizeof(goldens[0].digest) / sizeof(goldens[0].digest[0]) == N_CFGS, "a digest per cfg");
 
 static uint64_t workload_digest(const tcfg *c) {
   da_rng r;

@@ -25,6 +25,7 @@ typedef struct tcfg {
   int hq, hkv, d, window, S, P;
   da_dtype dt;
   float softcap;
+  int T; /* tile_tokens; 0: 64 */
 } tcfg;
 
 typedef struct seq {
@@ -53,7 +54,8 @@ static uint64_t g_seed;
 static const int n_layers = 2, pool_pages = 1024;
 
 /* head_dim 64 and 128 (what prefill_sm90.cu takes); MHA and GQA (G = 1, 2, 3, 4, 8), sliding
- * windows, softcap, fp16, page sizes 8-64, S 64-512. */
+ * windows, softcap, fp16, page sizes 8-256, S 64-512, tiles of 64 and 128 keys (T = 128: page
+ * sizes 8, a tile of 16 TMA boxes, and 256, a page of two tiles). */
 static const tcfg cfgs[] = {
     {.hq = 8, .hkv = 2, .d = 128, .window = 0, .S = 128, .P = 16, .dt = DA_BF16},
     {.hq = 4, .hkv = 4, .d = 64, .window = 0, .S = 256, .P = 32, .dt = DA_BF16},
@@ -61,6 +63,9 @@ static const tcfg cfgs[] = {
     {.hq = 4, .hkv = 2, .d = 64, .window = 100, .S = 64, .P = 64, .dt = DA_FP16},
     {.hq = 2, .hkv = 2, .d = 128, .window = 0, .S = 512, .P = 8, .dt = DA_BF16},
     {.hq = 6, .hkv = 2, .d = 64, .window = 0, .S = 192, .P = 16, .dt = DA_BF16, .softcap = 20.0f},
+    {.hq = 8, .hkv = 2, .d = 128, .window = 0, .S = 256, .P = 16, .dt = DA_BF16, .T = 128},
+    {.hq = 8, .hkv = 1, .d = 128, .window = 300, .S = 384, .P = 256, .dt = DA_FP16, .softcap = 30.0f, .T = 128},
+    {.hq = 4, .hkv = 2, .d = 64, .window = 100, .S = 128, .P = 8, .dt = DA_FP16, .softcap = 20.0f, .T = 128},
 };
 #define N_CFGS (int)(sizeof(cfgs) / sizeof(cfgs[0]))
 
@@ -73,7 +78,7 @@ static da_model model_of(const tcfg *c) {
 
 static path open_path(const tcfg *c, int w) {
   da_backend_cfg cfg = {.model = model_of(c),
-                        .num = {.split_tokens = c->S, .tile_tokens = 64},
+                        .num = {.split_tokens = c->S, .tile_tokens = c->T ? c->T : 64},
                         .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 17,
                         .staging_bytes = 32u << 20, .poison = 1};
   setenv("DA_CUDA_PREFILL", path_env[w], 1);
@@ -449,10 +454,10 @@ START_TEST(wgmma_matches_fp64_reference) {
     close_path(&p);
     const double e = da_test_rel_err(c->dt, o, ro, no);
     const double el = da_test_max_abs_err_f32(lse, rl, (size_t)n * c->hq);
-    printf("cfg %d accuracy %s (%s d%d hq%d hkv%d win%d cap%g S%d P%d): rel err %.2e (bound %.0e), lse max abs err "
-           "%.2e%s\n",
-           _i, path_env[w], da_dtype_name(c->dt), c->d, c->hq, c->hkv, c->window, (double)c->softcap, c->S, c->P, e,
-           tol, el, e <= tol && el <= 2e-5 ? "" : "  FAIL");
+    printf("cfg %d accuracy %s (%s d%d hq%d hkv%d win%d cap%g S%d P%d T%d): rel err %.2e (bound %.0e), lse max abs "
+           "err %.2e%s\n",
+           _i, path_env[w], da_dtype_name(c->dt), c->d, c->hq, c->hkv, c->window, (double)c->softcap, c->S, c->P,
+           c->T ? c->T : 64, e, tol, el, e <= tol && el <= 2e-5 ? "" : "  FAIL");
     bad += !(e <= tol && el <= 2e-5);
   }
   ck_assert_msg(bad == 0, "cfg %d: accuracy out of bounds (seed %llu)", _i, (unsigned long long)g_seed);
