@@ -15,20 +15,27 @@
  *                      cudaMemsetAsync and kernel launches (cudaErrorLaunchOutOfResources,
  *                      not sticky; a launch that "fails" is skipped and its error is what
  *                      the next cudaGetLastError on that thread returns)
+ *   DA_FAULT_CONNECT_DELAY_MS=N  libnng's thread that reports a new connection (ADD_POST)
+ *                      waits N ms first, as a preempted thread would: the connection's
+ *                      requests, its close and its removal (REM_POST) come before it
  * When the fault fires, "detattnd: fault: allocation N failed (injected)" goes to stderr.
- * tests/daemon/test_fault.c loops N over the daemon's start and over a client workload.
+ * tests/daemon/test_fault.c loops N over the daemon's start and over a client workload;
+ * tests/daemon/test_conn_race.c uses the connect delay.
  */
 #include "fault.h"
 
 #ifdef DETATTN_FAULT_INJECT
+#include <errno.h>
 #include <execinfo.h>
 #include <nng/nng.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
+static long connect_delay_ms;
 static atomic_long countdown, cuda_countdown; /* calls left before the failing one; <= 0: none */
 static atomic_int armed;
 static long fail_at, cuda_fail_at;
@@ -53,6 +60,8 @@ static int fail_now(void) { return fire(&countdown, fail_at, "allocation"); }
 
 void da_fault_init(void) {
   const char *at = getenv("DA_FAULT_AT"), *cat = getenv("DA_FAULT_CUDA_AT"), *from = getenv("DA_FAULT_FROM");
+  const char *delay = getenv("DA_FAULT_CONNECT_DELAY_MS");
+  if (delay != NULL) connect_delay_ms = strtol(delay, NULL, 10);
   if (cat != NULL && (cuda_fail_at = strtol(cat, NULL, 10)) > 0) {
     atomic_store(&cuda_countdown, cuda_fail_at);
     if (at == NULL) at = "0";
@@ -68,6 +77,13 @@ void da_fault_init(void) {
 
 void da_fault_ready(void) {
   if (fail_at > 0 || cuda_fail_at > 0) atomic_store(&armed, 1);
+}
+
+void da_fault_connect_delay(void) {
+  if (connect_delay_ms <= 0) return;
+  struct timespec ts = {.tv_sec = connect_delay_ms / 1000, .tv_nsec = (connect_delay_ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
 }
 
 void *__real_malloc(size_t n);

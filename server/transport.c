@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fault.h"
 #include "log.h"
 
 enum { RECV, HELD, SEND };
@@ -282,6 +283,7 @@ static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
     on_add_pre(t, p);
     return;
   }
+  if (ev == NNG_PIPE_EV_ADD_POST) da_fault_connect_delay();
   uint32_t id = (uint32_t)nng_pipe_id(p);
   da_event *e = NULL;
   pthread_mutex_lock(&t->mu);
@@ -290,13 +292,13 @@ static void on_pipe(nng_pipe p, nng_pipe_ev ev, void *arg) {
     e = x->ev_connect;
     x->ev_connect = NULL;
   } else if (x && ev == NNG_PIPE_EV_REM_POST) {
+    /* Reported even before ADD_POST (which then finds nothing): libnng 1.5.2 starts
+     * receiving before ADD_POST and runs REM_POST on its reaper without waiting for it, so
+     * the loop may have taken requests of this connection and made its client. */
     *pp = x->next;
     t->counts.open--;
-    if (x->ev_connect == NULL) e = x->ev_disconnect; /* the loop saw it connect */
-    else {
-      free(x->ev_connect);
-      free(x->ev_disconnect);
-    }
+    e = x->ev_disconnect;
+    free(x->ev_connect);
     free(x);
   }
   if (e) {

@@ -17,10 +17,12 @@
  * Connections: every connection is admitted at connect (nng's ADD_PRE, before anything is
  * read from it) against max_connections, max_conn_per_peer and, on ipc, the peer policy;
  * a refused one is closed and logged. Its CONNECT and DISCONNECT events are allocated at
- * admission, so a disconnect is never lost to an allocation failure. A reply is sent with
- * a deadline (send_timeout_ms) and counted against its connection's queued reply bytes
- * (max_reply_bytes): a client that does not read its replies loses its connection, and no
- * context stays held by it.
+ * admission, so a disconnect is never lost to an allocation failure. Every admitted
+ * connection gets one DISCONNECT; one that goes before libnng reports it added gets no
+ * CONNECT. Its requests may come before its CONNECT and after its DISCONNECT. A reply is
+ * sent with a deadline (send_timeout_ms) and counted against its connection's queued reply
+ * bytes (max_reply_bytes): a client that does not read its replies loses its connection,
+ * and no context stays held by it.
  *
  * The ipc socket's directory must be owned by the daemon's user (or root) and not
  * writable by others unless sticky; a directory the daemon creates gets mode 0700; the lock
