@@ -127,6 +127,18 @@ int da_daemon_wait(da_daemon_proc *d, int timeout_ms) {
   return -1;
 }
 
+int da_daemon_term_clean(da_daemon_proc *d, int timeout_ms, char *why, size_t len) {
+  why[0] = '\0';
+  if (d->pid && kill(d->pid, SIGTERM) != 0) snprintf(why, len, "SIGTERM: %s", strerror(errno));
+  else if (da_daemon_wait(d, timeout_ms) != 0) snprintf(why, len, "the daemon did not exit %d ms after SIGTERM", timeout_ms);
+  else if (!WIFEXITED(d->exit_status) || WEXITSTATUS(d->exit_status) != 0)
+    snprintf(why, len, "daemon exit status 0x%x", d->exit_status);
+  else if (da_daemon_log_has(d, "LeakSanitizer")) snprintf(why, len, "the daemon leaked (see its log)");
+  if (why[0] == '\0') return 0;
+  da_daemon_dump_log(d);
+  return -1;
+}
+
 void da_daemon_stop(da_daemon_proc *d) {
   char path[192];
   if (d->pid) {

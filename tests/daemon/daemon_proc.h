@@ -27,6 +27,9 @@ int da_daemon_restart(da_daemon_proc *d, const char *detattnd, const char *const
 /* Waits up to timeout_ms for the daemon to exit by itself; 0 when it did (exit_status set). */
 int da_daemon_wait(da_daemon_proc *d, int timeout_ms);
 void da_daemon_stop(da_daemon_proc *d);
+/* SIGTERM, then waits up to timeout_ms: 0 when the daemon exited with status 0 and its log
+ * has no LeakSanitizer report; else -1 with the reason in why (and the log's tail on stderr). */
+int da_daemon_term_clean(da_daemon_proc *d, int timeout_ms, char *why, size_t len);
 /* Prints the last lines of the daemon's log to stderr. */
 void da_daemon_dump_log(const da_daemon_proc *d);
 /* 1 when a line of the daemon's log so far contains needle, else 0 (also when there is no log). */

@@ -88,11 +88,8 @@ static void check_nothing_left(void) {
   }
   ck_assert_int_eq(detattn_seq_close(c, a), DETATTN_OK);
   detattn_close(c);
-  ck_assert_int_eq(kill(D.pid, SIGTERM), 0);
-  ck_assert_int_eq(da_daemon_wait(&D, 20000), 0);
-  if (!(WIFEXITED(D.exit_status) && WEXITSTATUS(D.exit_status) == 0)) da_daemon_dump_log(&D);
-  ck_assert_msg(WIFEXITED(D.exit_status) && WEXITSTATUS(D.exit_status) == 0, "daemon exit status 0x%x", D.exit_status);
-  ck_assert_msg(!da_daemon_log_has(&D, "LeakSanitizer"), "the daemon leaked (see its log)");
+  char why[128];
+  ck_assert_msg(da_daemon_term_clean(&D, 20000, why, sizeof(why)) == 0, "%s", why);
 }
 
 /* Sequences opened (one prefilled, one empty) and the connection closed, all before its
