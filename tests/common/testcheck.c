@@ -14,6 +14,17 @@ int da_test_run_runner(SRunner *sr) {
 
 int da_test_run(Suite *s) { return da_test_run_runner(srunner_create(s)); }
 
+void da_test_add_cases(Suite *s, const da_test_case *cases, size_t n, void (*setup)(void), void (*teardown)(void),
+                       int timeout_s) {
+  for (size_t i = 0; i < n; i++) {
+    TCase *t = tcase_create(cases[i].name);
+    tcase_add_checked_fixture(t, setup, teardown);
+    tcase_set_timeout(t, timeout_s);
+    tcase_add_test(t, cases[i].test);
+    suite_add_tcase(s, t);
+  }
+}
+
 void da_test_write_file(const char *path, const char *text) {
   FILE *f = fopen(path, "w");
   ck_assert_ptr_nonnull(f);

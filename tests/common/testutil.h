@@ -22,6 +22,17 @@
 /* Check's types (<check.h> declares the same typedefs); tests include <check.h> themselves. */
 typedef struct Suite Suite;
 typedef struct SRunner SRunner;
+typedef struct TTest TTest;
+
+/* One tcase of a suite: its name (what CK_RUN_CASE and a ctest entry select) and its test. */
+typedef struct da_test_case {
+  const char *name;
+  const TTest *test;
+} da_test_case;
+/* Adds a tcase to s for each of the n cases, each with the checked fixture setup, teardown
+ * (either may be NULL) and the timeout. */
+void da_test_add_cases(Suite *s, const da_test_case *cases, size_t n, void (*setup)(void), void (*teardown)(void),
+                       int timeout_s);
 
 /* Runs every test of s that Check's environment selects (CK_RUN_SUITE, CK_RUN_CASE; CK_FORK
  * and CK_VERBOSITY apply too), frees the runner and s, and returns the process exit status:

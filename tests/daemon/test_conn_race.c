@@ -130,22 +130,13 @@ START_TEST(a_connection_gone_before_its_connect_is_reported_with_forwards_in_fli
 END_TEST
 
 static Suite *race_suite(void) {
-  const struct {
-    const char *name;
-    const TTest *test;
-  } cases[] = {
+  const da_test_case cases[] = {
       {"gone_before_connect", sequences_of_a_connection_gone_before_its_connect_is_reported_are_freed},
       {"gone_before_connect_inflight",
        a_connection_gone_before_its_connect_is_reported_with_forwards_in_flight_is_freed},
   };
   Suite *s = suite_create("conn_race");
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    TCase *t = tcase_create(cases[i].name);
-    tcase_add_checked_fixture(t, setup, teardown);
-    tcase_set_timeout(t, 60);
-    tcase_add_test(t, cases[i].test);
-    suite_add_tcase(s, t);
-  }
+  da_test_add_cases(s, cases, sizeof(cases) / sizeof(cases[0]), setup, teardown, 60);
   return s;
 }
 

@@ -957,10 +957,7 @@ END_TEST
 
 static Suite *doorbell_suite(void) {
   Suite *s = suite_create("doorbell");
-  struct {
-    const char *name;
-    const TTest *test;
-  } cases[] = {
+  const da_test_case cases[] = {
       {"same_bits", doorbell_gives_the_bits_of_nng_and_of_the_copy_plane},
       {"threads", many_threads_share_one_doorbell_client},
       {"handover", ring_hand_overs_are_checked},
@@ -971,13 +968,7 @@ static Suite *doorbell_suite(void) {
       {"daemon_killed", a_daemon_killed_fails_the_doorbell_calls_in_flight_at_once},
       {"not_offered", no_doorbell_where_none_is_offered},
   };
-  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    TCase *t = tcase_create(cases[i].name);
-    tcase_add_checked_fixture(t, setup, teardown);
-    tcase_set_timeout(t, 120);
-    tcase_add_test(t, cases[i].test);
-    suite_add_tcase(s, t);
-  }
+  da_test_add_cases(s, cases, sizeof cases / sizeof cases[0], setup, teardown, 120);
   return s;
 }
 

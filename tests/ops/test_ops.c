@@ -440,18 +440,9 @@ static int skip_missing(void) {
 int main(void) {
   if (skip_missing()) return 77;
   Suite *s = suite_create("ops");
-  struct {
-    const char *name;
-    const TTest *test;
-  } cases[] = {{"metrics", test_metrics},       {"probes", test_probes},     {"log_json", test_log_json},
+  const da_test_case cases[] = {{"metrics", test_metrics},       {"probes", test_probes},     {"log_json", test_log_json},
                {"bad_config", test_bad_config}, {"http_in_use", test_http_in_use}, {"promtool", test_promtool},
                {"prometheus", test_prometheus}};
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    TCase *tc = tcase_create(cases[i].name);
-    tcase_add_checked_fixture(tc, NULL, teardown);
-    tcase_set_timeout(tc, 60);
-    tcase_add_test(tc, cases[i].test);
-    suite_add_tcase(s, tc);
-  }
+  da_test_add_cases(s, cases, sizeof(cases) / sizeof(cases[0]), NULL, teardown, 60);
   return da_test_run(s);
 }

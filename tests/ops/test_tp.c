@@ -321,19 +321,10 @@ int main(void) {
     }
   }
   Suite *s = suite_create("tp");
-  struct {
-    const char *name;
-    const TTest *test;
-  } cases[] = {{"bitwise_2way", test_bitwise_2way},
+  const da_test_case cases[] = {{"bitwise_2way", test_bitwise_2way},
                {"bitwise_uneven", test_bitwise_uneven},
                {"errors", test_errors},
                {"close_orphans", test_close_orphans_calls}};
-  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-    TCase *tc = tcase_create(cases[i].name);
-    tcase_add_checked_fixture(tc, NULL, teardown);
-    tcase_set_timeout(tc, 120);
-    tcase_add_test(tc, cases[i].test);
-    suite_add_tcase(s, tc);
-  }
+  da_test_add_cases(s, cases, sizeof(cases) / sizeof(cases[0]), NULL, teardown, 120);
   return da_test_run(s);
 }
