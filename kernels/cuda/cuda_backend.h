@@ -16,7 +16,7 @@ int da_cuda_bench_fill_kv(void *ctx, uint64_t seed);
 /*
  * Stages batch b (attns only; an attn with q == NULL gets queries filled on the device from
  * q_seed; o and lse are not copied back) and builds its work list in b->split_mode, with
- * split size split_tokens (0: the configured S; another multiple of 64 gives the
+ * split size split_tokens (0: the configured S; another multiple of the tile gives the
  * occupancy-chosen comparison mode, bench only). Nothing runs yet.
  */
 int da_cuda_bench_prepare(void *ctx, const da_batch *b, int split_tokens, uint64_t q_seed,
