@@ -12,6 +12,7 @@
 #include "cuda_kernels.h"
 #include "mbarrier.cuh"
 #include "numerics.cuh"
+#include "trace.cuh"
 
 namespace {
 
@@ -77,6 +78,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   __shared__ __align__(128) float s_o[R][CH * D]; /* o_j of a chunk: [split][column] */
   __shared__ float4 s_w[R][CH];                   /* a chunk's merges: a, b, s from the chain, then wa, wb */
   __shared__ uint64_t s_bar[3][R];                /* wfull, dfull, wempty */
+  DA_TRACE_IF(threadIdx.x == 0, 0); /* timing builds (trace.cuh): the CTA's start */
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
   const int tid = threadIdx.x;
@@ -110,6 +112,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
    * during its last wave; the partials are read only once it has completed. */
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+  DA_TRACE_IF(tid == 0, 1); /* the attention grid complete */
 
   if (tid >= FOLD) {
     /* The chain warp: every lane runs the same chain (no divergence), lane 0 publishes. The
@@ -183,6 +186,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
       for (int k = 0; k < m; k++) merge(k);
     }
   }
+  DA_TRACE_IF(tid == 0, 2); /* the row folded */
   uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + tid;
   if constexpr (BF16) {
     __nv_bfloat16 h = __float2bfloat16_rn(o);
@@ -228,6 +232,7 @@ cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
 } // namespace
 
 extern "C" int da_cuda_combine(const da_cu_args *a, cudaStream_t stream) {
+  DA_TRACE_HOST("C");
   if (a->n_citems == 0) return 0;
   switch (a->head_dim * 2 + (a->bf16 ? 1 : 0)) {
   case 64 * 2 + 1: return (int)launch<64, true>(a, stream);

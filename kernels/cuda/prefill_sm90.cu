@@ -39,6 +39,7 @@
 #include "cuda_kernels.h"
 #include "numerics.cuh"
 #include "sm90.cuh"
+#include "trace.cuh"
 
 using namespace da_sm90;
 
@@ -181,7 +182,9 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
     return c0 <= p_max && c0 + R - 1 >= w0_min ? pt[c0 >> a.page_shift] : -1;
   };
   int bt0 = kt_begin;
+  DA_TRACE_IF(lane == 0 && at.layer >= 0, 39); /* timing builds: the item and its attention */
   int32_t ids = load_ids(bt0), ids_next = load_ids(bt0 + tpb);
+  DA_TRACE_IF(lane == 0 && ids != 0x7fffffff, 3); /* the first page ids */
   int st = rp.st;
   uint32_t round = rp.round;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
@@ -194,6 +197,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
     const int c0 = k0 + lane * R; /* this lane's chunk (lanes < nchunk) */
     const int32_t pgl = __shfl_sync(0xffffffffu, ids, (kt - bt0) * nchunk + (lane & (nchunk - 1)));
     const int32_t pg = lane < nchunk ? pgl : -1;
+    DA_TRACE_IF(lane == 0 && kt == kt_begin, 1); /* the item's first TMA */
     const bool clean = k0 >= w0_min && k0 + BN - 1 <= p_max;
     const int n_load = __popc(__ballot_sync(0xffffffffu, pg >= 0));
     mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
@@ -474,6 +478,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     uint32_t round = rp.round;
     for (int kt = kt_begin; kt <= kt_end; kt++) {
       mbar_wait(bar_full + 8 * stage, round & 1);
+      DA_TRACE_IF(cw == 0 && ctid == 0 && kt - kt_begin < 16, 4 + kt - kt_begin); /* tile k's data */
       if (kt >= my_begin && kt <= my_end) {
         if (kt == my_begin || in_split == 0) {
           da_state_reset(st);
@@ -488,7 +493,11 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
         issue_pv(p, stage);
         wg_wait<0>();
         reg_fence(acc);
-        if (kt == my_end || in_split == tps - 1) finalize(j, st);
+        DA_TRACE_IF(cw == 0 && ctid == 0 && kt - kt_begin < 16, 20 + kt - kt_begin); /* tile k done */
+        if (kt == my_end || in_split == tps - 1) {
+          finalize(j, st);
+          DA_TRACE_IF(cw == 0 && ctid == 0, 37); /* a split end done */
+        }
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(bar_empty + 8 * stage);
@@ -541,6 +550,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     auto slot = [&](int t, auto new_split) {
       constexpr bool NEW_SPLIT = decltype(new_split)::value;
       wait_full();
+      DA_TRACE_IF(cw == 0 && ctid == 0 && t - kt_begin < 16, 4 + t - kt_begin); /* slot k's data */
       turn_wait();
       issue_s(s, st_n);
       rescale(alpha);
@@ -553,6 +563,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
       softmax(s, t, alpha);
       wg_wait<0>();
       reg_fence(acc);
+      DA_TRACE_IF(cw == 0 && ctid == 0 && t - kt_begin < 16, 20 + t - kt_begin); /* slot k done */
       release_c();
       pack_p(s, p); /* before a finalize: p is half the registers of s */
       if constexpr (NEW_SPLIT) {
@@ -610,6 +621,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
           da_state_reset(st);
           zero_acc();
           wait_full();
+          DA_TRACE_IF(cw == 0 && ctid == 0 && t - kt_begin < 16, 4 + t - kt_begin);
           turn_wait();
           issue_s(s, st_n);
           turn_pass();
@@ -618,6 +630,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
           reg_fence(s);
           softmax(s, t, alpha);
           pack_p(s, p);
+          DA_TRACE_IF(cw == 0 && ctid == 0 && t - kt_begin < 16, 20 + t - kt_begin);
           advance();
           /* Steady state: S(t), P V(t - 1), softmax(t) under that P V. */
           for (t++; t <= b; t++) slot(t, std::false_type{});
@@ -629,9 +642,11 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
           turn_pass();
           wg_wait<0>();
           reg_fence(acc);
+          DA_TRACE_IF(cw == 0 && ctid == 0, 36); /* the segment's last P V done */
           release_c();
           if (t <= B) advance();
           finalize(j, st);
+          DA_TRACE_IF(cw == 0 && ctid == 0, 37);
           t++;
         }
         for (; t <= B + 1; t++) idle_slot(t, A, B);
@@ -640,6 +655,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     }
     rp.st = st_n, rp.round = ph_n;
   }
+  DA_TRACE_IF(cw == 0 && ctid == 0, 40); /* the item done */
   if (partial || !active) return;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
@@ -671,6 +687,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
    * it, and read the partials only after this grid has completed (griddepcontrol.wait). */
   asm volatile("griddepcontrol.launch_dependents;\n");
+  DA_TRACE_IF(threadIdx.x == 0, 0); /* timing builds (trace.cuh): the CTA's start */
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
 
@@ -687,6 +704,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
   __syncthreads();
+  DA_TRACE_IF(threadIdx.x == 0, 38); /* the block barrier passed */
 
   /* This thread's pipe w (producer warp w, or consumer warpgroup w when pipes > 1). */
   const int nstp = nst / pipes;
@@ -783,6 +801,7 @@ int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes,
 } // namespace
 
 extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream) {
+  DA_TRACE_HOST("P");
   const int n = a->n_items - a->n_split_items;
   if (n <= 0) return 0;
   const int v = variant & ~(DA_CU_SM90_PER_ITEM | DA_CU_SM90_PIPES);

@@ -1,12 +1,15 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling|chain] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-prefill|ceiling|chain|trace] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth (tests/cuda/readbw.cu);
 # chain: cycles of one warpgroup's serial tile chain (tests/cuda/tilechain.cu).
+# trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
+# TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
+# default forms, and prints each one's timeline (tests/cuda/trace_timeline.py).
 set -u
 what=${1:-all}
 quick=${2:-}
@@ -25,6 +28,20 @@ eval "$(bash .devdeps/unpack.sh)"
 # Some .pc files name /usr paths directly; point them at the unpacked tree too.
 sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+if [ "$what" = trace ]; then
+  cmake -S . -B build-trace -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_FLAGS=-DDA_CUDA_TRACE > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build build-trace --target detattn-bench -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -20; exit 1; }
+  cat "$OUT/gpu.txt"
+  for v in wgmma-serial ""; do # DA_CUDA_PREFILL: the serial form, then the default
+    f="$OUT/trace-${v:-default}"
+    DA_CUDA_PREFILL=$v build-trace/bin/detattn-bench --backend cuda --one-decode "${TRACE_B:-1}" "${TRACE_L:-1024}" \
+      --split "${SPLIT:-512}" > "$f.csv" 2> "$f.txt" || { tail -5 "$f.txt"; exit 1; }
+    echo "== ${v:-default}: $(grep fixedS "$f.csv" | cut -d, -f10-12,15) (ms, attn_ms, combine_ms, lat_ms; traced build)"
+    python3 tests/cuda/trace_timeline.py "$f.txt" || exit 1
+  done
+  exit 0
+fi
 rm -f build-gpu/CMakeCache.txt
 cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }

@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Prints the timeline of a traced launch (kernels/cuda/trace.cuh): the "<tag> <block> <slot>
+<ns>" lines a -DDA_CUDA_TRACE build writes to stderr at exit, in microseconds from the first
+attention CTA's start. Slots of prefill_sm90.cu ("P"): 0 start, 38 block barrier passed, 39
+the producer has its item and attention, 3 its first page ids, 1 its first TMA, 4 + k tile
+or slot k's data (consumer warpgroup 0), 20 + k tile or slot k done, 36 a ping-pong segment's
+last P V done, 37 a split end done, 40 the item done. combine.cu ("C"): 0 start, 1 the
+attention grid complete (griddepcontrol.wait returned), 2 the row folded.
+Usage: python3 tests/cuda/trace_timeline.py trace.txt [blocks to list, default 4]
+"""
+import collections
+import sys
+
+
+def main():
+    rows = {"P": collections.defaultdict(dict), "C": collections.defaultdict(dict)}
+    for line in open(sys.argv[1]):
+        f = line.split()
+        if len(f) == 4 and f[0] in rows and f[1].isdigit() and f[2].isdigit() and f[3].isdigit():
+            rows[f[0]][int(f[1])][int(f[2])] = int(f[3])
+    P, C = rows["P"], rows["C"]
+    starts = [v[0] for v in P.values() if 0 in v]
+    if not starts:
+        sys.exit("no attention trace points in " + sys.argv[1])
+    t0 = min(starts)
+
+    def us(v, k):
+        return "%.2f" % ((v[k] - t0) / 1000.0) if k in v else "-"
+
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    print("block | start | barrier | item | page ids | 1st TMA | data k / done k ... | last PV | split end | done")
+    for b in sorted(P)[:n]:
+        v = P[b]
+        tiles = " ".join(us(v, 4 + k) + "/" + us(v, 20 + k) for k in range(16) if 4 + k in v)
+        print(b, us(v, 0), us(v, 38), us(v, 39), us(v, 3), us(v, 1), tiles, us(v, 36), us(v, 37), us(v, 40))
+    done = [v[40] for v in P.values() if 40 in v]
+    if done:
+        print("attention: %d blocks traced, the last done at %.2f us" % (len(P), (max(done) - t0) / 1000.0))
+    for k, what in ((0, "start"), (1, "attention grid complete"), (2, "row folded")):
+        ts = [v[k] for v in C.values() if k in v]
+        if ts:
+            print("combine %s: %.2f-%.2f us (%d blocks)" % (what, (min(ts) - t0) / 1000.0, (max(ts) - t0) / 1000.0,
+                                                         len(ts)))
+
+
+if __name__ == "__main__":
+    main()
