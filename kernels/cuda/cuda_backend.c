@@ -201,12 +201,15 @@ static struct flight *flights_alloc(void);
  * lost 1-3 % on B 2 L 16k; at 64 pipelined was 1.5-2.5 % faster. Re-measured on v3.4 (three
  * warpgroups at 64; NOTES.md v3.5): 64 pipelined 5 % faster at S 512 and 2048; 128 ping-pong
  * 10-17 % faster on B 8 L 4k, pipelined 1-7 % faster only on the longest rows at S 2048.
+ * T 128 (H200, NOTES.md v5.6, B 8 L 4k): at head_dim 64 (two warpgroups) ping-pong 1.64 ms,
+ * serial 1.78, pipelined 1.84; at 128 only the serial form fits the registers (2.63 ms; the
+ * pipelined forms spill: 2.97-3.02).
  */
 #define DA_CUDA_PREFILL_DEFAULT(head_dim, tile)                                                  \
-  ((tile) == 128 && (head_dim) == 128 ? DA_CU_SM90_SERIAL                                         \
-   : (head_dim) == 64                 ? DA_CU_SM90_PIPELINED                                      \
-   : (head_dim) == 128                ? DA_CU_SM90_PINGPONG                                       \
-                                      : 0)
+  ((tile) == 128 ? ((head_dim) == 64 ? DA_CU_SM90_PINGPONG : (head_dim) == 128 ? DA_CU_SM90_SERIAL : 0) \
+   : (head_dim) == 64  ? DA_CU_SM90_PIPELINED                                                      \
+   : (head_dim) == 128 ? DA_CU_SM90_PINGPONG                                                       \
+                       : 0)
 
 /* A path switch (tests and benchmarks): the value of environment variable var among its
  * choices, dflt when unset or empty; anything else fails with the choices in the message. */
