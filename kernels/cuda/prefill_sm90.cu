@@ -339,6 +339,9 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   if constexpr (L::QS) {
     fence_async_smem(); /* the stores, to the async proxy that wgmma reads through */
     bar_sync(Q_BAR0 + cw, 128);
+    DA_TRACE_IF(cw == 0 && ctid == 0, 41); /* timing builds: the warpgroup's Q stored */
+  } else {
+    DA_TRACE_IF(cw == 0 && ctid == 0 && qf[0][0] != 0x7fffffffu, 41); /* its Q in registers */
   }
   /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
   if (next >= 0 && qd < D / 64) {
