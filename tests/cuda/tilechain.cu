@@ -11,7 +11,8 @@
  *   the same without the flag. Forms 0, 2 and 4 also run as 2 and 3 warpgroups side by side
  *   (independent chains), and kernels of their own time S over 128 keys as m64n128k16 (what
  *   a 128-key contract tile would issue) with 1-3 warpgroups, and a 128-key tile's whole
- *   chain with 1-2.
+ *   chain with 1-2. Last, one warpgroup's chain in the kernel's pipelined form against S
+ *   issued two tiles ahead (chain_lookahead; NOTES.md v5.7).
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -270,6 +271,110 @@ __global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, 
   sink[threadIdx.x] = z;
 }
 
+/* One warpgroup's tile chain in the kernel's pipelined form (AHEAD = false: slot t issues
+ * S(t) and P V(t - 1), softmax(t) runs under that P V, everything retired by the slot's end)
+ * or with S two tiles ahead (AHEAD = true: two S buffers; tile t waits S(t), runs softmax(t)
+ * under P V(t - 1) and S(t + 1), waits P V(t - 1), issues P V(t) and S(t + 2); commit order
+ * S0, E, S1, then P V(t), S(t + 2), E an empty group, so every wait's N is a constant). As a
+ * loop, AHEAD keeps wgmmas in flight across the back edge and ptxas serializes every wgmma
+ * (C7514: the loop's entry copies the in-flight S registers), so it runs as straight-line
+ * blocks of 8 tiles, drained at block ends. Same operands every tile (shared memory as
+ * chain()'s); cycles a tile. (H100: pipelined 952, AHEAD 1,110: the tensor pipe takes the
+ * groups in order, so S(t + 2) queued between P V(t) and P V(t + 1) delays the P V chain.) */
+template <bool AHEAD>
+__global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  fence_async_smem();
+  __syncthreads();
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {}, s0[8][4], s1[8][4], alpha[2];
+  uint32_t p[4][4];
+  uint64_t da[8], db[8], dv[4];
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+  }
+#pragma unroll
+  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+  auto rescale = [&]() {
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+  };
+  auto pack = [&](const float (&x)[8][4]) {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {
+      p[kc][0] = da_pack2<true>(x[2 * kc][0], x[2 * kc][1]);
+      p[kc][1] = da_pack2<true>(x[2 * kc][2], x[2 * kc][3]);
+      p[kc][2] = da_pack2<true>(x[2 * kc + 1][0], x[2 * kc + 1][1]);
+      p[kc][3] = da_pack2<true>(x[2 * kc + 1][2], x[2 * kc + 1][3]);
+    }
+  };
+  const long long t0 = clock64();
+  if constexpr (!AHEAD) {
+    wg_chain_s_ss8_z<true>(s0, da, db);
+    wg_wait<0>();
+    reg_fence(s0);
+    da_tile_update<8>(st, s0, 0.125f, alpha);
+    pack(s0);
+    for (int t = 1; t < tiles; t++) {
+      wg_chain_s_ss8_z<true>(s0, da, db);
+      rescale();
+      wg_chain_pv_n128<true>(acc, p, dv);
+      wg_wait<1>();
+      reg_fence(s0);
+      da_tile_update<8>(st, s0, 0.125f, alpha);
+      wg_wait<0>();
+      reg_fence(acc);
+      pack(s0);
+    }
+    rescale();
+    wg_chain_pv_n128<true>(acc, p, dv);
+  } else {
+    /* Blocks of 8 tiles as straight-line code (fully unrolled: a wgmma in flight across a
+     * loop's back edge makes ptxas copy its registers and serialize, C7514), each drained at
+     * its end. */
+    for (int b = 0; b < tiles; b += 8) {
+      wg_chain_s_ss8_z<true>(s0, da, db);
+      wg_commit();
+      wg_chain_s_ss8_z<true>(s1, da, db);
+      auto tile = [&](float (&sc)[8][4], int i) {
+        wg_wait<2>();
+        reg_fence(sc);
+        da_tile_update<8>(st, sc, 0.125f, alpha);
+        wg_wait<1>();
+        reg_fence(acc);
+        rescale();
+        pack(sc);
+        wg_chain_pv_n128<true>(acc, p, dv);
+        if (i + 2 < 8) wg_chain_s_ss8_z<true>(sc, da, db);
+        else wg_commit();
+      };
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        tile(s0, i);
+        tile(s1, i + 1);
+      }
+      wg_wait<0>();
+      reg_fence(acc);
+    }
+  }
+  wg_wait<0>();
+  reg_fence(acc);
+  const long long t1 = clock64();
+  if (threadIdx.x == 0) out[0] = t1 - t0;
+  float z = st.l[0] + st.l[1];
+  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
+  sink[threadIdx.x] = z;
+}
+
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
 static long long cycles(const long long *out) {
   long long c = -1;
@@ -330,5 +435,16 @@ int main() {
   }
   if (probe128(chain_s128, 3, "S of 128 keys (n128)", out, sink) || probe128(chain_t128, 2, "128-key tile, all steps", out, sink))
     return 1;
+  /* The kernel's pipelined form against S two tiles ahead (one warpgroup). */
+  for (int ahead = 0; ahead < 2; ahead++) {
+    auto k = ahead ? chain_lookahead<true> : chain_lookahead<false>;
+    cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+    for (int rep = 0; rep < 2; rep++) {
+      k<<<1, 128, 70 * 1024>>>(256, out, sink);
+      const long long c = cycles(out);
+      if (c < 0) return 1;
+      printf("form %s: %.0f cycles a tile\n", ahead ? "S two tiles ahead (two S buffers)" : "pipelined (the kernel's)", c / 256.0);
+    }
+  }
   return 0;
 }
