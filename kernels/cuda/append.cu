@@ -4,10 +4,12 @@
  * of one (token, kv head) row of K and the same chunk of V.
  */
 #include "cuda_kernels.h"
+#include "pdl.cuh"
 
 namespace {
 
 __global__ void __launch_bounds__(256) append_kernel(const da_cu_args a) {
+  da_pdl_trigger(); /* pdl.cuh: the attention kernel after it may start its prologue */
   const da_cu_append ap = a.appends[blockIdx.y];
   const int ch = a.head_dim / 8;
   const int64_t per_tok = (int64_t)a.n_kv_heads * ch;

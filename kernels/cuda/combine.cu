@@ -12,6 +12,7 @@
 #include "cuda_kernels.h"
 #include "mbarrier.cuh"
 #include "numerics.cuh"
+#include "pdl.cuh"
 #include "trace.cuh"
 
 namespace {
@@ -79,6 +80,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   __shared__ float4 s_w[R][CH];                   /* a chunk's merges: a, b, s from the chain, then wa, wb */
   __shared__ uint64_t s_bar[3][R];                /* wfull, dfull, wempty */
   DA_TRACE_IF(threadIdx.x == 0, 0); /* timing builds (trace.cuh): the CTA's start */
+  da_pdl_trigger(); /* pdl.cuh: the next step's attention may start its prologue */
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
   const int tid = threadIdx.x;
@@ -107,11 +109,9 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
 #endif
   }
   __syncthreads();
-#if __CUDA_ARCH__ >= 900
   /* Launched as a programmatic dependent of the attention kernel: the lines above may run
    * during its last wave; the partials are read only once it has completed. */
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
+  da_pdl_wait();
   DA_TRACE_IF(tid == 0, 1); /* the attention grid complete */
 
   if (tid >= FOLD) {

@@ -6,10 +6,12 @@
 #include <cuda_fp16.h>
 
 #include "cuda_kernels.h"
+#include "pdl.cuh"
 
 namespace {
 
 __global__ void poison_kernel(uint32_t *dst, size_t n) {
+  da_pdl_trigger(); /* pdl.cuh */
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
     dst[i] = 0xffffffffu;
 }
@@ -21,6 +23,7 @@ __device__ __forceinline__ uint64_t mix(uint64_t z) {
 }
 
 __global__ void random_kernel(uint16_t *dst, size_t n, int bf16, uint64_t seed) {
+  da_pdl_trigger(); /* pdl.cuh */
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     const uint64_t h = mix(seed + 0x9e3779b97f4a7c15ull * (i + 1));
     /* Sum of four uniforms in [-0.5, 0.5), scaled to unit variance (Irwin-Hall). */

@@ -5,10 +5,12 @@
  * ordered launches.
  */
 #include "cuda_kernels.h"
+#include "pdl.cuh"
 
 namespace {
 
 __global__ void __launch_bounds__(256) page_copy_kernel(uint4 *kv, int64_t page_vecs, const int32_t *pairs) {
+  da_pdl_trigger(); /* pdl.cuh */
   const int32_t src = pairs[2 * blockIdx.y], dst = pairs[2 * blockIdx.y + 1];
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < page_vecs;
        i += (int64_t)gridDim.x * blockDim.x)

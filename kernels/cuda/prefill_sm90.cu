@@ -38,6 +38,7 @@
 
 #include "cuda_kernels.h"
 #include "numerics.cuh"
+#include "pdl.cuh"
 #include "sm90.cuh"
 #include "trace.cuh"
 
@@ -185,6 +186,9 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const item_range &i
   DA_TRACE_IF(lane == 0 && at.layer >= 0, 39); /* timing builds: the item and its attention */
   int32_t ids = load_ids(bt0), ids_next = load_ids(bt0 + tpb);
   DA_TRACE_IF(lane == 0 && ids != 0x7fffffff, 3); /* the first page ids */
+  /* Launched as a programmatic dependent (pdl.cuh): the item, its attention and page ids were
+   * staged before the kernel ahead of this one ran; the K/V pages only after it is done. */
+  da_pdl_wait();
   int st = rp.st;
   uint32_t round = rp.round;
   for (int kt = kt_begin; kt <= kt_end; kt++) {
@@ -307,6 +311,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
    * waited for them when it gets here; the named barrier makes it all four). */
   uint32_t qf[L::QS ? 1 : NK][4];
   const uint32_t q_s = base + L::OFF_Q + cw * L::Q_B;
+  da_pdl_wait(); /* pdl.cuh: Q (a gather kernel may have staged it) and every write after */
   if constexpr (L::QS) bar_sync(Q_BAR0 + cw, 128);
   {
     const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
@@ -688,8 +693,8 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
   using L = layout<D, BN>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
-   * it, and read the partials only after this grid has completed (griddepcontrol.wait). */
-  asm volatile("griddepcontrol.launch_dependents;\n");
+   * it, and read the partials only after this grid has completed (da_pdl_wait). */
+  da_pdl_trigger();
   DA_TRACE_IF(threadIdx.x == 0, 0); /* timing builds (trace.cuh): the CTA's start */
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023) & ~1023u;
@@ -714,6 +719,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
   const int nv = (int)gridDim.x * pipes;
   if (threadIdx.x < 128) {
     regs_dec<cta<D, BN>::PREGS>();
+    DA_TRACE_IF(threadIdx.x == 0, 42); /* timing builds: the producer past setmaxnreg */
     const int w = warp_uniform((int)threadIdx.x / 32);
     if (w < pipes) {
       ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
@@ -723,6 +729,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     }
   } else {
     regs_inc<cta<D, BN>::CREGS>();
+    DA_TRACE_IF(threadIdx.x == 128, 43); /* the first consumer warpgroup past setmaxnreg */
     const int cw = warp_uniform((int)threadIdx.x / 128) - 1;
     const int w = pipes > 1 ? cw : 0;
     if (w >= pipes) return;
@@ -782,8 +789,19 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
     if (dev < 64) configured |= 1ull << dev;
   }
   const int nst = pipes > 1 ? L::NST_MAX : L::NST_RING;
-  prefill_kernel<D, BN, BF16, PIPE, CAP><<<grid, cta<D, BN>::NTHREADS, L::bytes(nst), stream>>>(*a, tm, n, pingpong, pipes, nst);
-  return cudaGetLastError();
+  /* A programmatic dependent of the kernel before it (pdl.cuh): the prologue up to the first
+   * K/V load runs while that kernel finishes. */
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3((unsigned)grid);
+  lc.blockDim = dim3(cta<D, BN>::NTHREADS);
+  lc.dynamicSmemBytes = L::bytes(nst);
+  lc.stream = stream;
+  lc.attrs = &attr;
+  lc.numAttrs = 1;
+  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP>, *a, tm, n, pingpong, pipes, nst);
 }
 
 template <int BN, bool CAP>

@@ -9,10 +9,12 @@
  * else 2-byte ones (tensors are dtype-aligned; lengths even).
  */
 #include "cuda_kernels.h"
+#include "pdl.cuh"
 
 namespace {
 
 __global__ void segcopy_kernel(const da_cu_seg *segs, int n) {
+  da_pdl_trigger(); /* pdl.cuh */
   for (int s = blockIdx.y; s < n; s += gridDim.y) {
     const da_cu_seg g = segs[s];
     const int64_t b0 = (int64_t)blockIdx.x * DA_CU_SEG_CHUNK;

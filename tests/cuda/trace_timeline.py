@@ -3,7 +3,7 @@
 <ns>" lines a -DDA_CUDA_TRACE build writes to stderr at exit, in microseconds from the first
 attention CTA's start. Slots of prefill_sm90.cu ("P"): 0 start, 38 block barrier passed, 39
 the producer has its item, 3 its first page ids, 1 its first TMA, 41 consumer warpgroup 0
-has its Q, 4 + k tile
+has its Q, 42 / 43 the producer / consumer warpgroup 0 past setmaxnreg, 4 + k tile
 or slot k's data (consumer warpgroup 0), 20 + k tile or slot k done, 36 a ping-pong segment's
 last P V done, 37 a split end done, 40 the item done. combine.cu ("C"): 0 start, 1 the
 attention grid complete (griddepcontrol.wait returned), 2 the row folded.
@@ -29,11 +29,11 @@ def main():
         return "%.2f" % ((v[k] - t0) / 1000.0) if k in v else "-"
 
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-    print("block | start | barrier | item | page ids | 1st TMA | Q | data k / done k ... | last PV | split end | done")
+    print("block | start | barrier | prod. setmaxnreg | cons. setmaxnreg | item | page ids | 1st TMA | Q | data k / done k ... | last PV | split end | done")
     for b in sorted(P)[:n]:
         v = P[b]
         tiles = " ".join(us(v, 4 + k) + "/" + us(v, 20 + k) for k in range(16) if 4 + k in v)
-        print(b, us(v, 0), us(v, 38), us(v, 39), us(v, 3), us(v, 1), us(v, 41), tiles, us(v, 36), us(v, 37), us(v, 40))
+        print(b, us(v, 0), us(v, 38), us(v, 42), us(v, 43), us(v, 39), us(v, 3), us(v, 1), us(v, 41), tiles, us(v, 36), us(v, 37), us(v, 40))
     done = [v[40] for v in P.values() if 40 in v]
     if done:
         print("attention: %d blocks traced, the last done at %.2f us" % (len(P), (max(done) - t0) / 1000.0))
