@@ -32,6 +32,19 @@ __device__ __forceinline__ void n8(float (&d)[4], uint64_t da, uint64_t db) {
                : "l"(da), "l"(db), "n"(TA));
 }
 
+/* A probe's end: every wgmma retired, the cycles since t0 to out[0], and a sum of the results
+ * into sink, so that no work is optimized away. */
+__device__ __forceinline__ void probe_end(long long t0, long long *out, float *sink, const da_row_state &st,
+                                          float (&acc)[16][4]) {
+  wg_wait<0>();
+  reg_fence(acc);
+  const long long t1 = clock64();
+  if (threadIdx.x == 0) out[0] = t1 - t0;
+  float z = st.l[0] + st.l[1];
+  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
+  sink[threadIdx.x] = z;
+}
+
 __global__ void __launch_bounds__(384, 1) chain(int form, int tiles, long long *out, float *sink, float *part,
                                                  int *flag) {
   extern __shared__ __align__(1024) unsigned char raw[];
@@ -264,11 +277,7 @@ __global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, 
     wg_wait<0>();
     reg_fence(acc);
   }
-  const long long t1 = clock64();
-  if (threadIdx.x == 0) out[0] = t1 - t0;
-  float z = st.l[0] + st.l[1];
-  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
-  sink[threadIdx.x] = z;
+  probe_end(t0, out, sink, st, acc);
 }
 
 /* One warpgroup's tile chain in the kernel's pipelined form (AHEAD = false: slot t issues
@@ -366,13 +375,7 @@ __global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *
       reg_fence(acc);
     }
   }
-  wg_wait<0>();
-  reg_fence(acc);
-  const long long t1 = clock64();
-  if (threadIdx.x == 0) out[0] = t1 - t0;
-  float z = st.l[0] + st.l[1];
-  for (int n = 0; n < 16; n++) z += acc[n][0] + acc[n][3];
-  sink[threadIdx.x] = z;
+  probe_end(t0, out, sink, st, acc);
 }
 
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
