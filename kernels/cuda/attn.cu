@@ -15,6 +15,7 @@
 
 #include "cuda_kernels.h"
 #include "numerics.cuh"
+#include "pdl.cuh"
 
 namespace {
 
@@ -115,12 +116,10 @@ attn_kernel(const da_cu_args a) {
   constexpr int XCH_B = SPLIT ? NTS * 32 * 16 : 0; /* the score exchange: a tile's scores */
   constexpr bool QREG = D <= 128;       /* Q fragments stay in registers */
   const int nst = a.stages;             /* 2 or 3 K/V stages */
-#if __CUDA_ARCH__ >= 900
   /* The combine, launched next as a programmatic dependent, may be scheduled once every CTA
    * of this grid has started; it reads the partials only after this grid has completed
-   * (griddepcontrol.wait), so triggering early is safe. */
-  asm volatile("griddepcontrol.launch_dependents;\n");
-#endif
+   * (da_pdl_wait), so triggering early is safe. */
+  da_pdl_trigger();
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char *qs = smem;
   float4 *x_s = reinterpret_cast<float4 *>(qs + QROWS * D * 2); /* SPLIT: [NW][32 lanes] scores */

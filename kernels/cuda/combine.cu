@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
 
 /*
  * Programmatic dependent launch: the combine's CTAs start while the attention kernel's last
- * CTAs run (attn.cu triggers it) and wait in griddepcontrol.wait for its completion. Only
+ * CTAs run (both attention kernels trigger it) and wait in da_pdl_wait for its completion. Only
  * where the image that runs was built from sm_90 or later PTX: an sm_80 image (also one
  * JIT-compiled for a newer device) has no wait. Asked once per device.
  */
@@ -218,14 +218,7 @@ cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
     if (dev < 64) pdl_of[dev].store(pdl, std::memory_order_relaxed);
   }
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3((unsigned)a->n_citems);
-  lc.blockDim = dim3(shape<D>::THREADS);
-  lc.stream = stream;
-  lc.attrs = &attr;
-  lc.numAttrs = pdl == 2 ? 1 : 0;
+  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)a->n_citems, shape<D>::THREADS, 0, stream, &attr, pdl == 2);
   return cudaLaunchKernelEx(&lc, combine_kernel<D, BF16>, *a);
 }
 

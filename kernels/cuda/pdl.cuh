@@ -11,6 +11,24 @@
 #ifndef DA_CUDA_PDL_CUH
 #define DA_CUDA_PDL_CUH
 
+#include <cuda_runtime.h>
+
+/* The launch configuration of grid x block (smem bytes of dynamic shared memory) on stream,
+ * as a programmatic dependent when pdl (attr: the caller's, alive until the launch). */
+static inline cudaLaunchConfig_t da_pdl_config(unsigned grid, unsigned block, size_t smem, cudaStream_t stream,
+                                               cudaLaunchAttribute *attr, bool pdl) {
+  attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr->val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(grid);
+  lc.blockDim = dim3(block);
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  lc.attrs = attr;
+  lc.numAttrs = pdl ? 1 : 0;
+  return lc;
+}
+
 __device__ __forceinline__ void da_pdl_trigger() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");

@@ -792,15 +792,7 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   /* A programmatic dependent of the kernel before it (pdl.cuh): the prologue up to the first
    * K/V load runs while that kernel finishes. */
   cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3((unsigned)grid);
-  lc.blockDim = dim3(cta<D, BN>::NTHREADS);
-  lc.dynamicSmemBytes = L::bytes(nst);
-  lc.stream = stream;
-  lc.attrs = &attr;
-  lc.numAttrs = 1;
+  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)grid, cta<D, BN>::NTHREADS, L::bytes(nst), stream, &attr, true);
   return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP>, *a, tm, n, pingpong, pipes, nst);
 }
 
