@@ -50,6 +50,7 @@ typedef struct cuda_ctx {
   int brows;        /* rows per block of those: DA_CU_BLOCK_ROWS or DA_CU_SM90_BLOCK_ROWS */
   int sm90_decode;  /* blocks of at most 16 rows on prefill_sm90.cu too (unless DA_CUDA_SM90_DECODE=0) */
   int launch_pipes; /* the staged batch runs as pipes (plan.pipes > 1) */
+  int partial_per;  /* DA_CUDA_PARTIAL_PER=k (experiments): k splits per partial item; 0 the planner's */
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
                        DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
@@ -317,6 +318,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
      * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
     c->sm90_decode = c->sm90_prefill && dec != DEC_ATTN;
+    const char *per = getenv("DA_CUDA_PARTIAL_PER");
+    c->partial_per = per != NULL && atoi(per) > 0 && atoi(per) <= 64 ? atoi(per) : 0;
     /* Decode-only batches as pipes (prefill_sm90.cu): two warpgroups' latency chains per SM
      * instead of one (NOTES.md v5.3). DA_CUDA_SM90_DECODE=1: one shared pipeline (A/B). */
     if (c->sm90_decode && dec != DEC_RING)
@@ -577,6 +580,10 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   const int64_t slots = c->sm90_decode ? grid * pl->pipes : 2 * (int64_t)c->n_sm;
   int64_t n_part = 0;
   pl->per = da_cu_partial_per(m, c->brows, S, c->cfg.num.tile_tokens, b, pl->partial, slots, &n_part);
+  if (c->partial_per > 0 && n_part > 0) {
+    pl->per = c->partial_per;
+    n_part = da_cu_partial_items(m, c->brows, S, b, pl->partial, pl->per);
+  }
   pl->n_items += n_part;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];

@@ -29,7 +29,7 @@ void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, i
 
 /* Items of the partial blocks at per splits an item: a block's items are counted whole (128
  * splits in items of 63 are three, and round-robin may give some CTA two long ones). */
-static int64_t count_items(const da_model *m, int brows, int S, const da_batch *b, const unsigned char *partial,
+int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch *b, const unsigned char *partial,
                            int per) {
   const int G = m->n_q_heads / m->n_kv_heads;
   int64_t n = 0;
@@ -52,7 +52,7 @@ int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch
   int per_best = 1;
   *n_items = 0;
   for (int per = 1; per <= 64; per++) {
-    const int64_t n = count_items(m, brows, S, b, partial, per);
+    const int64_t n = da_cu_partial_items(m, brows, S, b, partial, per);
     if (n == 0) break;
     const int64_t cost = ceil_div(n, slots) * (per * tiles + 1);
     if (cost <= best) best = cost, per_best = per, *n_items = n;

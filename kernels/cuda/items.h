@@ -24,6 +24,11 @@ void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, i
  * tokens with one tile more per item for its start (so ties go to fewer, longer items).
  * Returns per (1 .. 64) and the item count in *n_items (0 when nothing runs as partials).
  */
+/* The items of the partial blocks of b at per splits an item (ceil(n / per) per block and kv
+ * head). */
+int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch *b, const unsigned char *partial,
+                            int per);
+
 int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
                       int64_t slots, int64_t *n_items);
 

@@ -114,6 +114,8 @@ START_TEST(items_are_counted_whole_per_block_and_only_for_partial_attentions) {
   int64_t n = 0;
   const int per = da_cu_partial_per(&m, BROWS, S, T, &b, partial, SLOTS, &n);
   ck_assert_int_eq(n, count_by_hand(&m, attns, partial, 3, per));
+  /* Any per, as DA_CUDA_PARTIAL_PER sets it. */
+  for (int k = 1; k <= 64; k *= 2) ck_assert_int_eq(da_cu_partial_items(&m, BROWS, S, &b, partial, k), count_by_hand(&m, attns, partial, 3, k));
   const unsigned char none[3] = {0, 0, 0};
   n = -1;
   ck_assert_int_eq(da_cu_partial_per(&m, BROWS, S, T, &b, none, SLOTS, &n), 1);
