@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
           if (k < m) step(k);
       }
       if (lead) mbar_arrive(wfull + 8 * s);
+      DA_TRACE_IF(lead && c < 16, 4 + c); /* timing builds: chunk c's chain done */
 #pragma unroll
       for (int k = 0; k < CH; k++) cur[k] = nxt[k];
     }
@@ -185,6 +186,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     } else {
       for (int k = 0; k < m; k++) merge(k);
     }
+    DA_TRACE_IF(tid == 0 && c < 16, 20 + c); /* chunk c folded */
   }
   DA_TRACE_IF(tid == 0, 2); /* the row folded */
   uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + tid;
@@ -201,24 +203,57 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
  * Programmatic dependent launch: the combine's CTAs start while the attention kernel's last
  * CTAs run (both attention kernels trigger it) and wait in da_pdl_wait for its completion. Only
  * where the image that runs was built from sm_90 or later PTX: an sm_80 image (also one
- * JIT-compiled for a newer device) has no wait. Asked once per device.
+ * JIT-compiled for a newer device) has no wait.
+ *
+ * Spread: a row's chain is one warp's serial latency chain (~95 cycles a split on an H100),
+ * and chain warps sharing an SM slow each other down: the combine CTAs that start early all
+ * land on the few SMs the attention leaves free (5 a SM by registers), and there a 128-split
+ * row took up to 1.5x as long as alone (traced). So where rows have SPREAD_SPLITS splits or
+ * more, each CTA asks for unused dynamic shared memory enough that at most ceil(rows / SMs)
+ * fit on an SM. Same work, same bits. Not for short rows: there the big CTAs cost ~0.3 us (B 1
+ * L 1k-4k, S 512: 2-3 % slower; 16k: 1.4 % faster, 64k 1.9 %; H100, NOTES v5.8).
+ * Both asked once per device.
  */
+constexpr int SPREAD_SPLITS = 32;
+
+struct launch_info {
+  std::atomic<int> ready{0}; /* 1: the fields below are set */
+  std::atomic<int> pdl{0}, static_smem{0}, sm_smem{0}, n_sm{0};
+};
+
 template <int D, bool BF16>
 cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
-  static std::atomic<int> pdl_of[64]; /* per device: 0 not asked yet, 1 no, 2 yes */
+  static launch_info info[64]; /* per device */
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  int pdl = dev < 64 ? pdl_of[dev].load(std::memory_order_relaxed) : 0;
-  if (pdl == 0) {
+  launch_info local, *li = dev < 64 ? &info[dev] : &local;
+  if (!li->ready.load(std::memory_order_acquire)) {
     cudaFuncAttributes fa;
-    e = cudaFuncGetAttributes(&fa, combine_kernel<D, BF16>);
-    if (e != cudaSuccess) return e;
-    pdl = fa.ptxVersion >= 90 ? 2 : 1;
-    if (dev < 64) pdl_of[dev].store(pdl, std::memory_order_relaxed);
+    int sm_smem = 0, block_smem = 0, n_sm = 0;
+    if ((e = cudaFuncGetAttributes(&fa, combine_kernel<D, BF16>)) != cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)) != cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&block_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)) != cudaSuccess ||
+        (e = cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess ||
+        (e = cudaFuncSetAttribute(combine_kernel<D, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  block_smem - (int)fa.sharedSizeBytes)) != cudaSuccess)
+      return e;
+    li->pdl.store(fa.ptxVersion >= 90 ? 2 : 1, std::memory_order_relaxed);
+    li->static_smem.store((int)fa.sharedSizeBytes, std::memory_order_relaxed);
+    li->sm_smem.store(sm_smem, std::memory_order_relaxed);
+    li->n_sm.store(n_sm, std::memory_order_relaxed);
+    li->ready.store(1, std::memory_order_release);
   }
+  /* Dynamic bytes so that a CTA takes more than 1 / (per_sm + 1) of an SM's shared memory
+   * (the driver reserves 1 KB a CTA). */
+  const int n_sm = li->n_sm.load(std::memory_order_relaxed);
+  const int per_sm = (a->n_citems + n_sm - 1) / n_sm;
+  const int want = a->combine_splits < SPREAD_SPLITS ? 0
+                   : li->sm_smem.load(std::memory_order_relaxed) / (per_sm + 1) + 128 - 1024 -
+                         li->static_smem.load(std::memory_order_relaxed);
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)a->n_citems, shape<D>::THREADS, 0, stream, &attr, pdl == 2);
+  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)a->n_citems, shape<D>::THREADS, want > 0 ? (size_t)want : 0,
+                                              stream, &attr, li->pdl.load(std::memory_order_relaxed) == 2);
   return cudaLaunchKernelEx(&lc, combine_kernel<D, BF16>, *a);
 }
 

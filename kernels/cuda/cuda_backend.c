@@ -506,6 +506,7 @@ typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
   int per; /* splits per partial item */
+  int max_splits; /* the most splits of a partial attention's rows */
   int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
   int64_t inrow_rows, partial_rows;
   int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
@@ -549,6 +550,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     pl->partial[i] = (unsigned char)part;
     if ((int64_t)a->n_q * G > max_block_rows) max_block_rows = (int64_t)a->n_q * G;
     if (part) slots_free -= need, pl->slots += need;
+    if (part && nsp > pl->max_splits) pl->max_splits = (int)nsp;
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
@@ -750,6 +752,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   while ((1 << g->page_shift) < P) g->page_shift++;
   g->split_tokens = S, g->tile_tokens = c->cfg.num.tile_tokens, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
+  g->combine_splits = pl->max_splits;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   c->launch_pipes = pl->pipes > 1;

@@ -88,6 +88,7 @@ typedef struct da_cu_args {
   int n_pool_pages;   /* pages in the KV pool (prefill_sm90.cu's tensor map spans it) */
   int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
   int tile_tokens;    /* T: DA_CU_TILE, or DA_CU_TILE_MAX where head_dim <= 128 */
+  int combine_splits; /* the most splits a partial row has (combine.cu spreads long rows' CTAs) */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items

@@ -24,7 +24,8 @@
 #   VARIANTS []       DA_CUDA_PREFILL values run on the new build as well
 #   PRE_VARIANTS []   "name:VAR=val[+VAR=val] ...": environments of the new build run in the
 #                     prefill rounds as well (as DEC_VARIANTS in the decode rounds)
-#   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1
+#   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1, timed in
+#                     the prefill and the decode rounds
 #   CTEST [1]         1: the gpu-labelled tests on the new build
 #   PEERS [0]         1: PyTorch SDPA prefill peers, ratios for old and new
 # Results: $OUT/summary.txt (printed), every csv and log in $OUT/all.tgz.
@@ -99,6 +100,7 @@ if [ "${DECODE:-0}" = 1 ]; then
     for S in ${DEC_SPLITS:-512}; do
       dec "$OUT/dec-old-$S-$r.csv" $OLDB
       dec "$OUT/dec-new-$S-$r.csv" $NEW
+      [ -n "${VFLAGS:-}" ] && dec "$OUT/dec-var-$S-$r.csv" $VAR
       for v in ${DEC_VARIANTS:-}; do
         dec "$OUT/dec-${v%%:*}-$S-$r.csv" env $(tr + ' ' <<< "${v#*:}") $NEW
       done

@@ -6,7 +6,8 @@ the producer has its item, 3 its first page ids, 1 its first TMA, 41 consumer wa
 has its Q, 42 / 43 the producer / consumer warpgroup 0 past setmaxnreg, 4 + k tile
 or slot k's data (consumer warpgroup 0), 20 + k tile or slot k done, 36 a ping-pong segment's
 last P V done, 37 a split end done, 40 the item done. combine.cu ("C"): 0 start, 1 the
-attention grid complete (griddepcontrol.wait returned), 2 the row folded.
+attention grid complete (griddepcontrol.wait returned), 4 + c chunk c's chain done, 20 + c
+chunk c folded, 2 the row folded.
 Usage: python3 tests/cuda/trace_timeline.py trace.txt [blocks to list, default 4]
 """
 import collections
@@ -37,7 +38,9 @@ def main():
     done = [v[40] for v in P.values() if 40 in v]
     if done:
         print("attention: %d blocks traced, the last done at %.2f us" % (len(P), (max(done) - t0) / 1000.0))
-    for k, what in ((0, "start"), (1, "attention grid complete"), (2, "row folded")):
+    marks = [(0, "start"), (1, "attention grid complete")]
+    marks += [(4 + c, "chunk %d chain done" % c) for c in range(16)] + [(20 + c, "chunk %d folded" % c) for c in range(16)]
+    for k, what in marks + [(2, "row folded")]:
         ts = [v[k] for v in C.values() if k in v]
         if ts:
             print("combine %s: %.2f-%.2f us (%d blocks)" % (what, (min(ts) - t0) / 1000.0, (max(ts) - t0) / 1000.0,
