@@ -187,7 +187,6 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
-  DA_TRACE_IF(lane == 0 && ir.at.layer >= 0, 39); /* timing builds: the item and its attention */
   return pi;
 }
 
@@ -762,6 +761,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       uint32_t aux_ph = 0;
       const int i0 = (int)blockIdx.x * pipes + w;
       prod_item cur = i0 < n ? prod_load<D, BN>(a, i0, threadIdx.x & 31) : prod_item{};
+      DA_TRACE_IF(threadIdx.x == 0 && cur.pt != nullptr, 39); /* timing builds: the first item, its attention */
       for (int i = i0; i < n; i += nv) {
         prod_item nxt = cur;
         produce<D, BN>(a, cur, i + nv < n ? i + nv : -1, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
