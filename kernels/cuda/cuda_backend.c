@@ -259,6 +259,22 @@ static int decode_path(int *dec, char *err, size_t errlen) {
   return env_pick("DA_CUDA_SM90_DECODE", names, sizeof(names) / sizeof(names[0]), DEC_PIPES, dec, err, errlen);
 }
 
+/* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
+ * 0, the planner's choice. The bits never depend on it. */
+static int partial_per_env(int *per, char *err, size_t errlen) {
+  const char *env = getenv("DA_CUDA_PARTIAL_PER");
+  *per = 0;
+  if (env == NULL || env[0] == '\0') return 0;
+  char *end = NULL;
+  const long v = strtol(env, &end, 10);
+  if (*end != '\0' || v < 1 || v > 64) {
+    snprintf(err, errlen, "cuda: DA_CUDA_PARTIAL_PER=%s: expected splits per partial work item, 1 to 64", env);
+    return DETATTN_INVALID_ARGUMENT;
+  }
+  *per = (int)v;
+  return 0;
+}
+
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
                   size_t errlen) {
   int rv = check_cfg(cfg, err, errlen);
@@ -309,6 +325,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     int path = 0, dec = 0;
     rv = prefill_path(m->head_dim, cfg->num.tile_tokens, &path, err, errlen);
     if (rv == 0) rv = decode_path(&dec, err, errlen);
+    if (rv == 0) rv = partial_per_env(&c->partial_per, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
@@ -318,8 +335,6 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     /* Decode blocks too: TMA-fed and persistent, 0-22 % faster than attn.cu's split form on
      * an H100 (NOTES.md v3.4), same bits. DA_CUDA_SM90_DECODE=0: attn.cu (tests, A/B). */
     c->sm90_decode = c->sm90_prefill && dec != DEC_ATTN;
-    const char *per = getenv("DA_CUDA_PARTIAL_PER");
-    c->partial_per = per != NULL && atoi(per) > 0 && atoi(per) <= 64 ? atoi(per) : 0;
     /* Decode-only batches as pipes (prefill_sm90.cu): two warpgroups' latency chains per SM
      * instead of one (NOTES.md v5.3). DA_CUDA_SM90_DECODE=1: one shared pipeline (A/B). */
     if (c->sm90_decode && dec != DEC_RING)
