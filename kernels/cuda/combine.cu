@@ -205,13 +205,13 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
  * where the image that runs was built from sm_90 or later PTX: an sm_80 image (also one
  * JIT-compiled for a newer device) has no wait.
  *
- * Spread: a row's chain is one warp's serial latency chain (~95 cycles a split on an H100),
+ * Spread: a row's chain is one warp's serial latency chain (~92 cycles a split on an H100),
  * and chain warps sharing an SM slow each other down: the combine CTAs that start early all
  * land on the few SMs the attention leaves free (5 a SM by registers), and there a 128-split
  * row took up to 1.5x as long as alone (traced). So where rows have SPREAD_SPLITS splits or
  * more, each CTA asks for unused dynamic shared memory enough that at most ceil(rows / SMs)
  * fit on an SM. Same work, same bits. Not for short rows: there the big CTAs cost ~0.3 us (B 1
- * L 1k-4k, S 512: 2-3 % slower; 16k: 1.4 % faster, 64k 1.9 %; H100, NOTES v5.8).
+ * L 1k-4k, S 512: 2-3 % slower; 16k 0.7-1.4 % faster, 64k 1.9-2.9 %; H100, NOTES v5.8).
  * Both asked once per device.
  */
 constexpr int SPREAD_SPLITS = 32;
