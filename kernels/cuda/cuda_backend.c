@@ -51,6 +51,8 @@ typedef struct cuda_ctx {
   int sm90_decode;  /* blocks of at most 16 rows on prefill_sm90.cu too (unless DA_CUDA_SM90_DECODE=0) */
   int launch_pipes; /* the staged batch runs as pipes (plan.pipes > 1) */
   int partial_per;  /* DA_CUDA_PARTIAL_PER=k (experiments): k splits per partial item; 0 the planner's */
+  int deal;         /* prefill_sm90.cu's persistent grid: DEAL_* (DA_CUDA_SM90_DEAL) */
+  int *ticket;      /* its ticket counter (device, 2 ints, 0 between launches) */
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
                        DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
@@ -145,6 +147,7 @@ static void free_all(cuda_ctx *c) {
   }
   cudaFree(c->acc_o);
   cudaFree(c->acc_lse);
+  cudaFree(c->ticket);
   cudaFree(c->kv);
   for (int i = 0; i < 3; i++)
     if (c->ev[i] != NULL) cudaEventDestroy(c->ev[i]);
@@ -259,6 +262,17 @@ static int decode_path(int *dec, char *err, size_t errlen) {
   return env_pick("DA_CUDA_SM90_DECODE", names, sizeof(names) / sizeof(names[0]), DEC_PIPES, dec, err, errlen);
 }
 
+/* DA_CUDA_SM90_DEAL, how prefill_sm90.cu's persistent grid gets its items: round-robin
+ * (positions dealt by the planner, da_cu_deal), tickets (each pipe takes the list's next
+ * item when it is free, the list in build order), or tickets-inrow (tickets for batches
+ * without partial rows, round-robin for the rest). The bits never depend on it. */
+enum { DEAL_ROUND_ROBIN, DEAL_TICKETS_INROW, DEAL_TICKETS };
+static int deal_env(int *deal, char *err, size_t errlen) {
+  static const env_choice names[] = {
+      {"round-robin", DEAL_ROUND_ROBIN}, {"tickets-inrow", DEAL_TICKETS_INROW}, {"tickets", DEAL_TICKETS}};
+  return env_pick("DA_CUDA_SM90_DEAL", names, sizeof(names) / sizeof(names[0]), DEAL_TICKETS, deal, err, errlen);
+}
+
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
@@ -326,6 +340,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     rv = prefill_path(m->head_dim, cfg->num.tile_tokens, &path, err, errlen);
     if (rv == 0) rv = decode_path(&dec, err, errlen);
     if (rv == 0) rv = partial_per_env(&c->partial_per, err, errlen);
+    if (rv == 0) rv = deal_env(&c->deal, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
@@ -388,6 +403,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   CUDA_GOTO(NULL, cudaMalloc(&c->kv, c->kv_bytes), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_o, (size_t)slots * m->head_dim * 4), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_lse, (size_t)slots * 4), fail);
+  CUDA_GOTO(NULL, cudaMalloc((void **)&c->ticket, 2 * sizeof(int)), fail);
+  CUDA_GOTO(NULL, cudaMemsetAsync(c->ticket, 0, 2 * sizeof(int), c->stream), fail);
   for (int i = 0; i < 2; i++) {
     CUDA_GOTO(NULL, cudaMalloc((void **)&c->d_in[i], c->stage_bytes), fail);
     CUDA_GOTO(NULL, cudaMalloc((void **)&c->d_out[i], c->stage_bytes), fail);
@@ -521,6 +538,7 @@ typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
   int per; /* splits per partial item */
+  int tickets; /* prefill_sm90.cu's grid takes the items by ticket (else round-robin) */
   int max_splits; /* the most splits of a partial attention's rows */
   int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
   int64_t inrow_rows, partial_rows;
@@ -601,6 +619,9 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     pl->per = c->partial_per;
     n_part = da_cu_partial_items(m, c->brows, S, b, pl->partial, pl->per);
   }
+  /* prefill_sm90.cu's persistent grid (not one CTA per item) by ticket or round-robin. */
+  pl->tickets = c->sm90_prefill && c->sm90_grid >= 0 &&
+                (c->deal == DEAL_TICKETS || (c->deal == DEAL_TICKETS_INROW && pl->partial_rows == 0));
   pl->n_items += n_part;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
@@ -679,10 +700,11 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       }
     }
   }
-  /* prefill_sm90.cu's persistent grid deals its items round-robin: order them so that each
-   * CTA gets an even share of key tiles (the order never changes a result; without the
-   * scratch memory for it the items stay in the order above). */
-  if (c->sm90_prefill && c->sm90_grid >= 0) {
+  /* Round-robin (DA_CUDA_SM90_DEAL): order the items so that each CTA of prefill_sm90.cu's
+   * persistent grid gets an even share of key tiles (the order never changes a result;
+   * without the scratch memory for it the items stay in the order above). By ticket they
+   * stay in build order: long ones first, and the pipes running at once take neighbours. */
+  if (c->sm90_prefill && c->sm90_grid >= 0 && !pl->tickets) {
     const int64_t n_l = c->sm90_decode ? n_it : n_it - n_split;
     const int64_t grid = (c->sm90_grid > 0 ? c->sm90_grid : c->n_sm) * pl->pipes;
     (void)da_cu_deal(m, c->brows, S, c->cfg.num.tile_tokens, b->attns, its, n_l, grid < n_l ? grid : n_l);
@@ -768,6 +790,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->split_tokens = S, g->tile_tokens = c->cfg.num.tile_tokens, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0;
   g->combine_splits = pl->max_splits;
+  g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   c->launch_pipes = pl->pipes > 1;

@@ -89,6 +89,10 @@ typedef struct da_cu_args {
   int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
   int tile_tokens;    /* T: DA_CU_TILE, or DA_CU_TILE_MAX where head_dim <= 128 */
   int combine_splits; /* the most splits a partial row has (combine.cu spreads long rows' CTAs) */
+  /* prefill_sm90.cu's dynamic dealing: {next ticket, pipes done}, 0 between launches (the
+   * last pipe out resets them); NULL: items round-robin. The launcher ignores it where every
+   * pipe has one item or fewer. */
+  int *ticket;
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items

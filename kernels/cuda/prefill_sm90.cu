@@ -88,7 +88,9 @@ struct layout {
   static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0); /* full[NST_MAX], empty[NST_MAX], aux[NCW], turn[NCW] */
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST_MAX, BAR_AUX = OFF_BAR + 16 * NST_MAX;
   static constexpr int BAR_TURN = BAR_AUX + 8 * NCW;
-  static constexpr int OFF_S = (BAR_TURN + NCW * 8 + 1023) / 1024 * 1024;
+  /* NEXT[s]: the item after the one whose first tile is in stage s (produce publishes it) */
+  static constexpr int OFF_NEXT = BAR_TURN + 8 * NCW;
+  static constexpr int OFF_S = (OFF_NEXT + 4 * NST_MAX + 1023) / 1024 * 1024;
   static constexpr int OFF_K = OFF_S, OFF_V = OFF_S + TILE_B; /* of stage 0 */
   static constexpr int bytes(int nst) { return OFF_S + nst * STAGE_B + 1024; }
 };
@@ -191,14 +193,32 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
 }
 
 /*
+ * The item a pipe runs after item idx, or -1: round-robin, idx + nv (nv pipes in the grid),
+ * or with a ticket counter (a.ticket: dynamic dealing) the list's next unclaimed item. Items
+ * [0, nv) are the pipes' first; ticket t is item nv + t. The lane 0 takes the ticket.
+ */
+__device__ __forceinline__ int next_item(const da_cu_args &a, int idx, int n, int nv, int lane) {
+  int nx = idx + nv;
+  if (a.ticket != nullptr) {
+    int t = 0;
+    if (lane == 0) t = atomicAdd(a.ticket, 1);
+    nx = nv + __shfl_sync(0xffffffffu, t, 0);
+  }
+  return nx < n ? nx : -1;
+}
+
+/*
  * The producer warp: for every tile of [kt_begin, kt_end], wait until the stage is free,
  * then TMA K and V (one box per page chunk of min(page_tokens, 64) rows and per 64 columns)
  * onto full[stage]. Page ids come 32 chunks per warp-wide load, one batch ahead of use, so
  * no tile waits for the page table. A tile not wholly inside [w0_min, p_max] loads only the
  * chunks that meet the range, onto the aux barrier, waits for them, zeroes the rows outside
- * the range and then arrives on full[stage]. The next item (next >= 0) is loaded into *nxt
- * once the ring is full (after the item's NST-th tile, or its last), its descriptor put into
- * L2 at the start.
+ * the range and then arrives on full[stage]. The item after this one (next; -1: none) goes
+ * with the item's first tile: stored to NEXT[stage] before the arrival on the tile's
+ * barrier, so every consumer warp reads it once it has the tile (an item with no tile sends
+ * it on a null tile, an arrival without data). The next item (next >= 0) is loaded into
+ * *nxt once the ring is full (after the item's NST-th tile, or its last), its descriptor
+ * put into L2 at the start.
  */
 template <int D, int BN>
 __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi, int next, prod_item &nxt,
@@ -214,16 +234,22 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
   const int64_t page_rows = (int64_t)a.n_layers * 2 * a.n_kv_heads * a.page_tokens;
   const int64_t v_rows = (int64_t)a.n_kv_heads * a.page_tokens;
   const uint32_t chunk_bytes = (uint32_t)R * D * 2 * 2; /* K and V */
-  if (next >= 0 && lane == 0) prefetch_l2(a.items + next);
   const int kt_next = min(kt_begin + (rp.end - rp.first) - 1, kt_end); /* where the ring is full */
   int bt0 = kt_begin;
   int32_t ids = pi.ids, ids_next = pi.ids_next;
   DA_TRACE_IF(lane == 0 && ids != 0x7fffffff, 3); /* the first page ids */
-  /* Launched as a programmatic dependent (pdl.cuh): the item, its attention and page ids were
-   * staged before the kernel ahead of this one ran; the K/V pages only after it is done. */
-  da_pdl_wait();
+  if (next >= 0 && lane == 0) prefetch_l2(a.items + next);
   int st = rp.st;
   uint32_t round = rp.round;
+  if (kt_end < kt_begin) { /* an item with no tile: a null tile */
+    mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
+    if (lane == 0) {
+      st_shared_u32(base + L::OFF_NEXT + 4 * st, (uint32_t)next);
+      mbar_arrive(bar_full + 8 * st);
+    }
+    if (++st == rp.end) st = rp.first, round++;
+    if (next >= 0) nxt = prod_load<D, BN>(a, next, lane);
+  }
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     if (kt - bt0 == tpb) {
       bt0 += tpb;
@@ -240,6 +266,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
     mbar_wait(bar_empty + 8 * st, (round & 1) ^ 1);
     const uint32_t kd = base + L::OFF_K + st * L::STAGE_B, vd = kd + L::TILE_B;
     const uint32_t bar = clean ? bar_full + 8 * st : bar_aux;
+    if (lane == 0 && kt == kt_begin) st_shared_u32(base + L::OFF_NEXT + 4 * st, (uint32_t)next);
     if (lane == 0 && n_load > 0) mbar_arrive_tx(bar, (uint32_t)n_load * chunk_bytes);
     __syncwarp();
     if (pg >= 0) {
@@ -271,7 +298,6 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
     if (++st == rp.end) st = rp.first, round++;
     if (kt == kt_next && next >= 0) nxt = prod_load<D, BN>(a, next, lane);
   }
-  if (kt_end < kt_begin && next >= 0) nxt = prod_load<D, BN>(a, next, lane); /* an item with no tile */
   rp.st = st, rp.round = round;
 }
 
@@ -301,8 +327,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
  * pair up; this form keeps the per-segment schedule, drained at split ends.
  */
 template <int D, int BN, bool BF16, bool PIPE, bool CAP>
-__device__ __forceinline__ void consume(const da_cu_args &a, const item_range &ir, int next, uint32_t base,
-                                        int cw, int wrow, int pingpong, ring_pos &rp, uint32_t &turn_ph) {
+__device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir, uint32_t base, int cw, int wrow,
+                                       int pingpong, ring_pos &rp, uint32_t &turn_ph) {
   using L = layout<D, BN>;
   constexpr int NTS = BN / 8; /* n8 fragments of a score tile */
   const da_cu_attn &at = ir.at;
@@ -383,7 +409,16 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
   } else {
     DA_TRACE_IF(cw == 0 && ctid == 0 && qf[0][0] != 0x7fffffffu, 41); /* its Q in registers */
   }
-  /* The same rows of this CTA's next item (next >= 0): into L2 now, so its Q loads are short. */
+  /* The item after this one, published with this item's first tile (produce); an item with
+   * no tile came as a null tile, released here. */
+  mbar_wait(bar_full + 8 * rp.st, rp.round & 1);
+  const int next = warp_uniform(ld_shared_s32(base + L::OFF_NEXT + 4 * rp.st));
+  if (kt_end < kt_begin) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * rp.st);
+    if (++rp.st == rp.end) rp.st = rp.first, rp.round++;
+  }
+  /* The same rows of the next item (next >= 0): into L2 now, so its Q loads are short. */
   if (next >= 0 && qd < D / 64) {
     const da_cu_item nit = a.items[next];
     const da_cu_attn nat = a.attns[nit.attn];
@@ -699,7 +734,7 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     rp.st = st_n, rp.round = ph_n;
   }
   DA_TRACE_IF(cw == 0 && ctid == 0, 40); /* the item done */
-  if (partial || !active) return;
+  if (partial || !active) return next;
 #pragma unroll
   for (int r = 0; r < 2; r++) {
     const row_info &w = ri[r];
@@ -710,11 +745,14 @@ __device__ __forceinline__ void consume(const da_cu_args &a, const item_range &i
     for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[n][2 * r], fold[n][2 * r + 1]);
     if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
   }
+  return next;
 }
 
 /* Items [0, n) of the list; CTA b takes items b, b + gridDim.x, ... (a persistent grid of
- * one CTA per SM, or one item per CTA when gridDim.x == n). The ring of K/V stages, its
- * barriers' phases and the ping-pong turns carry over from item to item, so the producer
+ * one CTA per SM, or one item per CTA when gridDim.x == n), or with a ticket counter
+ * (a.ticket) item b first and then the list's next unclaimed one (next_item): the producer
+ * decides it and sends it to the consumers with the item's first tile. The ring of K/V
+ * stages, its barriers' phases and the ping-pong turns carry over from item to item, so the producer
  * loads the next item's first tiles while the consumers finish this one.
  * pipes > 1 (decode launches, every item at most 64 rows): the CTA runs `pipes` independent
  * pipelines, pipe w = producer warp w, consumer warpgroup w (its rows [row0, row0 + 64)) and
@@ -762,10 +800,25 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       const int i0 = (int)blockIdx.x * pipes + w;
       prod_item cur = i0 < n ? prod_load<D, BN>(a, i0, threadIdx.x & 31) : prod_item{};
       DA_TRACE_IF(threadIdx.x == 0 && cur.pt != nullptr, 39); /* timing builds: the first item, its attention */
-      for (int i = i0; i < n; i += nv) {
+      /* Launched as a programmatic dependent (pdl.cuh): the first item, its attention and
+       * page ids were staged before the kernel ahead of this one ran; tickets and K/V only
+       * once it is done. (The next item decided here, not in produce: there ptxas spilled.) */
+      da_pdl_wait();
+      for (int i = i0 < n ? i0 : -1; i >= 0;) {
+        const int next = next_item(a, i, n, nv, threadIdx.x & 31);
         prod_item nxt = cur;
-        produce<D, BN>(a, cur, i + nv < n ? i + nv : -1, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
+        produce<D, BN>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
         cur = nxt;
+        i = next;
+      }
+      /* The last pipe out (every ticket taken) sets the counter back to 0 for the next launch,
+       * which takes tickets only after this grid completes (da_pdl_wait). */
+      if (a.ticket != nullptr && (threadIdx.x & 31) == 0) {
+        __threadfence();
+        if (atomicAdd(a.ticket + 1, 1) == nv - 1) {
+          atomicExch(a.ticket, 0);
+          atomicExch(a.ticket + 1, 0);
+        }
       }
     }
   } else {
@@ -778,9 +831,10 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     uint32_t turn_ph = 0;
     if (PIPE && pingpong && cw == L::NCW - 1 && (threadIdx.x & 31) == 0)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
-    for (int i = (int)blockIdx.x * pipes + w; i < n; i += nv)
-      consume<D, BN, BF16, PIPE, CAP>(a, cta_range<D, BN>(a, i), i + nv < n ? i + nv : -1, base, cw, pipes > 1 ? 0 : cw * 64,
-                                  pingpong, rp, turn_ph);
+    const int i0 = (int)blockIdx.x * pipes + w;
+    for (int i = i0 < n ? i0 : -1; i >= 0;)
+      i = consume<D, BN, BF16, PIPE, CAP>(a, cta_range<D, BN>(a, i), base, cw, pipes > 1 ? 0 : cw * 64, pingpong, rp,
+                                          turn_ph);
   }
 }
 
@@ -871,6 +925,9 @@ extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream
   const int pp = v == DA_CU_SM90_PINGPONG && pipes == 1;
   int grid = per_item ? (n + pipes - 1) / pipes : a->n_sm;
   if (grid > (n + pipes - 1) / pipes) grid = (n + pipes - 1) / pipes;
+  da_cu_args d = *a;
+  if (per_item || n <= grid * pipes) d.ticket = nullptr; /* nothing left to deal */
+  a = &d;
   switch (a->tile_tokens * 2 + (a->softcap ? 1 : 0)) {
   case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, stream);
   case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, stream);

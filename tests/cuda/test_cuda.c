@@ -396,7 +396,8 @@ START_TEST(create_rejects_unknown_path_settings) {
   } bad[] = {{"DA_CUDA_PREFILL", "wgmma-fast", "expected mma, wgmma, wgmma-serial, wgmma-pipelined or wgmma-pingpong"},
              {"DA_CUDA_SM90_DECODE", "yes", "expected 0, 1, pipes or pipes-serial"},
              {"DA_CUDA_PARTIAL_PER", "65", "expected splits per partial work item, 1 to 64"},
-             {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"}};
+             {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"},
+             {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -511,6 +512,25 @@ START_TEST(digests_pinned_for_this_kernel_version) {
 }
 END_TEST
 
+/* How prefill_sm90.cu's grid gets its items never changes a bit: the pinned workload dealt
+ * round-robin and with tickets for in-row batches only gives the default's digests (every
+ * launch by ticket). */
+START_TEST(every_deal_gives_the_same_digests) {
+  static const char *deals[] = {"round-robin", "tickets-inrow"};
+  uint64_t want[N_CFGS];
+  for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
+  for (size_t k = 0; k < sizeof(deals) / sizeof(deals[0]); k++) {
+    setenv("DA_CUDA_SM90_DEAL", deals[k], 1);
+    for (int i = 0; i < N_CFGS; i++) {
+      const uint64_t d = workload_digest(&cfgs[i]);
+      ck_assert_msg(d == want[i], "cfg %d: DA_CUDA_SM90_DEAL=%s gives 0x%016llx, the default 0x%016llx", i, deals[k],
+                    (unsigned long long)d, (unsigned long long)want[i]);
+    }
+    unsetenv("DA_CUDA_SM90_DEAL");
+  }
+}
+END_TEST
+
 int main(void) {
   if (!da_cuda_backend_ops.available()) {
     printf("no CUDA device: skipped\n");
@@ -538,6 +558,7 @@ int main(void) {
   tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
   tcase_add_test(tc, digests_pinned_for_this_kernel_version);
+  tcase_add_test(tc, every_deal_gives_the_same_digests);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_set_fork_status(sr, CK_NOFORK);
