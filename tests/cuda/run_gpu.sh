@@ -6,7 +6,8 @@
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth, and reads in
-# page-sized chunks in order and shuffled (tests/cuda/readbw.cu); chain: cycles of one warpgroup's serial tile chain (tests/cuda/tilechain.cu).
+# page-sized chunks in order and shuffled (tests/cuda/readbw.cu); chain: cycles of one
+# warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
 # default forms, and prints each one's timeline (tests/cuda/trace_timeline.py).
