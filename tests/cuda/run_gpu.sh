@@ -10,7 +10,8 @@
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
-# default forms, and prints each one's timeline (tests/cuda/trace_timeline.py).
+# default forms, and prints each one's timeline (tests/cuda/trace_timeline.py); TRACE_OLD=dir
+# (e.g. .ab-old, carried) traces that tree too and prints the two side by side.
 set -u
 what=${1:-all}
 quick=${2:-}
@@ -41,6 +42,16 @@ if [ "$what" = trace ]; then
     echo "== ${v:-default}: $(grep fixedS "$f.csv" | cut -d, -f10-12,15) (ms, attn_ms, combine_ms, lat_ms; traced build)"
     python3 tests/cuda/trace_timeline.py "$f.txt" || exit 1
   done
+  if [ -n "${TRACE_OLD:-}" ]; then # another source tree (e.g. .ab-old): the same, then both side by side
+    ln -sfn "$PWD/.devdeps" "$TRACE_OLD/.devdeps"
+    (cd "$TRACE_OLD" && OUT="$OUT/old" TRACE_OLD= bash tests/cuda/run_gpu.sh trace > "$OUT/old.log" 2>&1) ||
+      { tail -20 "$OUT/old.log"; exit 1; }
+    grep "^==" "$OUT/old.log" | sed 's/^== /== old tree, /'
+    for v in wgmma-serial default; do
+      echo "== $v, this tree against $TRACE_OLD"
+      python3 tests/cuda/trace_timeline.py --medians "$OUT/trace-$v.txt" "$OUT/old/trace-$v.txt" || exit 1
+    done
+  fi
   exit 0
 fi
 rm -f build-gpu/CMakeCache.txt

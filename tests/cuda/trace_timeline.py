@@ -9,22 +9,51 @@ last P V done, 37 a split end done, 40 the item done. combine.cu ("C"): 0 start,
 attention grid complete (griddepcontrol.wait returned), 4 + c chunk c's chain done, 20 + c
 chunk c folded, 2 the row folded.
 Usage: python3 tests/cuda/trace_timeline.py trace.txt [blocks to list, default 4]
+       python3 tests/cuda/trace_timeline.py --medians a.txt b.txt ...: a table of the main
+       points' median and last time over the traced CTAs, one column per file (two trees or
+       forms side by side; run_gpu.sh trace with TRACE_OLD prints it).
 """
 import collections
 import sys
 
 
-def main():
+def load(path):
+    """The trace points of a file: ({block: {slot: ns}} of the attention, same of the
+    combine, the first attention CTA's start)."""
     rows = {"P": collections.defaultdict(dict), "C": collections.defaultdict(dict)}
-    for line in open(sys.argv[1]):
+    for line in open(path):
         f = line.split()
         if len(f) == 4 and f[0] in rows and f[1].isdigit() and f[2].isdigit() and f[3].isdigit():
             rows[f[0]][int(f[1])][int(f[2])] = int(f[3])
-    P, C = rows["P"], rows["C"]
-    starts = [v[0] for v in P.values() if 0 in v]
+    starts = [v[0] for v in rows["P"].values() if 0 in v]
     if not starts:
-        sys.exit("no attention trace points in " + sys.argv[1])
-    t0 = min(starts)
+        sys.exit("no attention trace points in " + path)
+    return rows["P"], rows["C"], min(starts)
+
+
+MEDIAN_POINTS = [("P", 0, "start"), ("P", 38, "block barrier"), ("P", 39, "producer has its item"),
+                 ("P", 3, "first page ids"), ("P", 1, "producer at its first TMA"), ("P", 41, "consumer has Q"),
+                 ("P", 4, "tile 0 data"), ("P", 20, "tile 0 done"), ("P", 11, "tile 7 data"),
+                 ("P", 37, "a split end done"), ("P", 40, "item done"), ("C", 1, "combine: grid complete"),
+                 ("C", 2, "combine: row folded")]
+
+
+def medians(paths):
+    loaded = [load(p) for p in paths]
+    print("point | " + " | ".join(paths) + "  (us from the first CTA's start: median / last)")
+    for kind, slot, what in MEDIAN_POINTS:
+        cells = []
+        for P, C, t0 in loaded:
+            xs = sorted((v[slot] - t0) / 1000.0 for v in (P if kind == "P" else C).values() if slot in v)
+            cells.append("%.2f / %.2f" % (xs[len(xs) // 2], xs[-1]) if xs else "-")
+        print(what + " | " + " | ".join(cells))
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--medians":
+        medians(sys.argv[2:])
+        return
+    P, C, t0 = load(sys.argv[1])
 
     def us(v, k):
         return "%.2f" % ((v[k] - t0) / 1000.0) if k in v else "-"
