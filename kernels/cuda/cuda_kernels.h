@@ -108,7 +108,8 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
  * DA_CU_SM90_SERIAL (S, softmax, P.V one after the other),
  * DA_CU_SM90_PIPELINED (the next tile's S and this tile's P.V run under the softmax),
  * DA_CU_SM90_PINGPONG (pipelined, and the warpgroups take turns issuing MMAs). A
- * persistent grid (one CTA per SM walking the items) unless DA_CU_SM90_PER_ITEM is or'ed in.
+ * persistent grid (one CTA per SM walking the items: round-robin, or by ticket with
+ * a->ticket) unless DA_CU_SM90_PER_ITEM is or'ed in.
  * Launched as a programmatic dependent of the kernel before it in the stream (pdl.cuh): its
  * prologue runs while that kernel finishes; it reads K/V and Q and writes only after. */
 #define DA_CU_SM90_HEAD_DIM_OK(d) ((d) == 64 || (d) == 128)
