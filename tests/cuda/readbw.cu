@@ -55,6 +55,26 @@ __global__ void copy_kernel(const uint4 *p, uint4 *q, size_t n) {
     }                                                                      \
   } while (0)
 
+/* The best of five timed runs of launch() after one warm-up, ms; -1 (the error printed) if
+ * a launch or an event failed. */
+template <class F> float best_ms(cudaEvent_t e0, cudaEvent_t e1, F launch) {
+  float best = 1e30f;
+  for (int r = 0; r < 6; r++) {
+    float ms = 0;
+    cudaError_t e = cudaEventRecord(e0);
+    if (e == cudaSuccess) launch(), e = cudaGetLastError();
+    if (e == cudaSuccess) e = cudaEventRecord(e1);
+    if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+    if (e != cudaSuccess) {
+      fprintf(stderr, "readbw: a timed launch: %s\n", cudaGetErrorString(e));
+      return -1;
+    }
+    if (r > 0 && ms < best) best = ms;
+  }
+  return best;
+}
+
 int main() {
   const size_t bytes = 2ull << 30, n = bytes / 16;
   uint4 *p = nullptr, *q = nullptr;
@@ -64,6 +84,7 @@ int main() {
   CHECK(cudaMalloc(&sink, 4));
   CHECK(cudaMemset(p, 1, bytes));
   CHECK(cudaFuncSetAttribute(read_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
+  CHECK(cudaFuncSetAttribute(chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -74,28 +95,12 @@ int main() {
   printf("%s, %d SMs\n", prop.name, nsm);
   const int grids[] = {nsm, nsm - 4, 3 * nsm / 4, nsm / 2, nsm / 3, nsm / 4};
   for (int g : grids) {
-    float best = 1e30f;
-    for (int r = 0; r < 6; r++) {
-      CHECK(cudaEventRecord(e0));
-      read_kernel<<<g, 1024, SMEM>>>(p, n, sink);
-      CHECK(cudaEventRecord(e1));
-      CHECK(cudaEventSynchronize(e1));
-      float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, e0, e1));
-      if (r > 0 && ms < best) best = ms;
-    }
+    const float best = best_ms(e0, e1, [&] { read_kernel<<<g, 1024, SMEM>>>(p, n, sink); });
+    if (best < 0) return 1;
     printf("read, %3d SMs: %.3f ms, %.3f TB/s, %.1f GB/s an SM\n", g, best, bytes / best / 1e9, bytes / best / 1e6 / g);
   }
-  float best = 1e30f;
-  for (int r = 0; r < 6; r++) {
-    CHECK(cudaEventRecord(e0));
-    copy_kernel<<<nsm * 8, 256>>>(p, q, n / 2);
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (r > 0 && ms < best) best = ms;
-  }
+  const float best = best_ms(e0, e1, [&] { copy_kernel<<<nsm * 8, 256>>>(p, q, n / 2); });
+  if (best < 0) return 1;
   printf("copy, 1 GiB read + 1 GiB written: %.3f ms, %.3f TB/s moved\n", best, bytes / best / 1e9);
   /* Chunked reads: 4 KB (16-token pages), 16 KB (64-token pages), 64 KB; in order and at
    * shuffled places (a fixed xorshift Fisher-Yates), all SMs and the decode grid's 128. */
@@ -118,16 +123,8 @@ int main() {
       for (int g : {nsm, 128}) {
         const int q = shift < 12 ? 1 << (12 - shift) : 1; /* whole rounds of the four loads */
         const int per = (int)(nchunk / g) / q * q;
-        float bestc = 1e30f;
-        for (int r2 = 0; r2 < 6; r2++) {
-          CHECK(cudaEventRecord(e0));
-          chunk_kernel<<<g, 1024, SMEM>>>(p, dperm, per, shift, sink);
-          CHECK(cudaEventRecord(e1));
-          CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r2 > 0 && ms < bestc) bestc = ms;
-        }
+        const float bestc = best_ms(e0, e1, [&] { chunk_kernel<<<g, 1024, SMEM>>>(p, dperm, per, shift, sink); });
+        if (bestc < 0) return 1;
         const double moved = (double)per * g * kb * 1024;
         printf("chunks of %2d KB, %s, %3d SMs: %.3f ms, %.3f TB/s\n", kb, shuffled ? "shuffled" : "in order", g, bestc,
                moved / bestc / 1e9);
