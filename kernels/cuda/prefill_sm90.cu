@@ -409,27 +409,6 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
   } else {
     DA_TRACE_IF(cw == 0 && ctid == 0 && qf[0][0] != 0x7fffffffu, 41); /* its Q in registers */
   }
-  /* The item after this one, published with this item's first tile (produce); an item with
-   * no tile came as a null tile, released here. */
-  mbar_wait(bar_full + 8 * rp.st, rp.round & 1);
-  const int next = warp_uniform(ld_shared_s32(base + L::OFF_NEXT + 4 * rp.st));
-  if (kt_end < kt_begin) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_empty + 8 * rp.st);
-    if (++rp.st == rp.end) rp.st = rp.first, rp.round++;
-  }
-  /* The same rows of the next item (next >= 0): into L2 now, so its Q loads are short. */
-  if (next >= 0 && qd < D / 64) {
-    const da_cu_item nit = a.items[next];
-    const da_cu_attn nat = a.attns[nit.attn];
-    const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int row = nit.row0 + wrow + warp * 16 + g + 8 * r;
-      if (row < nat.n_q * G) prefetch_l2(q + ((int64_t)(row / G) * a.n_q_heads + nit.kv_head * G + row % G) * D + qd * 64);
-    }
-  }
-
   float acc[NV][4];
   float fold_lse[2] = {0.0f, 0.0f};
   /* The in-row fold of this thread's elements (fp32, the accumulator's layout), in registers. */
@@ -546,6 +525,28 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
 #pragma unroll
     for (int n = 0; n < NV; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   };
+
+  /* The item after this one, published with this item's first tile (produce); an item with
+   * no tile came as a null tile, released here. Read after the setup above, which so runs
+   * under the first tile's TMA. */
+  mbar_wait(bar_full + 8 * rp.st, rp.round & 1);
+  const int next = warp_uniform(ld_shared_s32(base + L::OFF_NEXT + 4 * rp.st));
+  if (kt_end < kt_begin) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_empty + 8 * rp.st);
+    if (++rp.st == rp.end) rp.st = rp.first, rp.round++;
+  }
+  /* The same rows of the next item (next >= 0): into L2 now, so its Q loads are short. */
+  if (next >= 0 && qd < D / 64) {
+    const da_cu_item nit = a.items[next];
+    const da_cu_attn nat = a.attns[nit.attn];
+    const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+      const int row = nit.row0 + wrow + warp * 16 + g + 8 * r;
+      if (row < nat.n_q * G) prefetch_l2(q + ((int64_t)(row / G) * a.n_q_heads + nit.kv_head * G + row % G) * D + qd * 64);
+    }
+  }
 
   float s[NTS][4];
   uint32_t p[BN / 16][4];
