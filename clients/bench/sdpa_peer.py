@@ -124,15 +124,22 @@ def main():
     ap.add_argument("--prefill-only", action="store_true", help="time the prefill shapes only")
     ap.add_argument("--ours", help="CSV printed by detattn-bench --backend cuda")
     ap.add_argument("--csv", help="write the peer rows here")
+    ap.add_argument("--one-decode", nargs=2, type=int, metavar=("B", "L"),
+                    help="time this decode shape only (e.g. under ncu: run_gpu.sh profile-peer)")
+    ap.add_argument("--peer", choices=list(PEERS), help="time this peer only")
     args = ap.parse_args()
+    chosen = {args.peer: PEERS[args.peer]} if args.peer else PEERS
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     free = torch.cuda.mem_get_info()[0]
     rows = []
-    for kind, b, length, hq, hkv, d, causal, nq in cases(args.quick, args.prefill_only):
+    todo = cases(args.quick, args.prefill_only)
+    if args.one_decode:
+        todo = [("decode", args.one_decode[0], args.one_decode[1], 32, 8, 128, False, 1)]
+    for kind, b, length, hq, hkv, d, causal, nq in todo:
         kv_bytes = b * length * hkv * d * 2 * 2
         if 2.5 * kv_bytes > free:
-            for name in PEERS:
+            for name in chosen:
                 rows.append(dict(kind=kind, B=b, L=length, d=d, causal=int(causal), peer=name,
                                  ms="", how="skipped: memory", invariant="", eager_ms=""))
             continue
@@ -140,7 +147,7 @@ def main():
         k = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, hkv, length, d, device="cuda", dtype=torch.bfloat16)
         # Decode: one query sees every key (no mask). Prefill: causal or not.
-        for name, backend in PEERS.items():
+        for name, backend in chosen.items():
             ms, how, inv, eager = run_peer(backend, q, k, v, causal and kind == "prefill",
                                            20 if kind == "decode" else 10)
             rows.append(dict(kind=kind, B=b, L=length, d=d, causal=int(causal), peer=name,

@@ -5,11 +5,16 @@
  * to a quarter of them, a plain copy, and reads in chunks the size of KV pages (16 tokens of
  * one kv head at head_dim 128 is 4 KB; 64 tokens 16 KB) at shuffled places, each CTA a run
  * of chunks as a decode item walks its page table: whether scattered pages, not the kernel,
- * cap the decode read rate. Best of five timed launches after a warm-up.
+ * cap the decode read rate; and those pages by bulk (TMA) copies into a ring of 32 KB stages,
+ * as the attention kernels load them. Best of five timed launches after a warm-up.
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary).
  */
 #include <cstdint>
 #include <cstdio>
+
+#include "mbarrier.cuh"
+
+using namespace da_cu;
 
 #define SMEM (150 * 1024) /* more than half an SM's shared memory: one CTA an SM */
 
@@ -40,6 +45,50 @@ __global__ void __launch_bounds__(1024, 1) chunk_kernel(const uint4 *p, const ui
   for (size_t j = threadIdx.x; j + 3 * 1024 < len; j += 4 * 1024)
     x ^= ld_xor(at(j)) ^ ld_xor(at(j + 1024)) ^ ld_xor(at(j + 2048)) ^ ld_xor(at(j + 3072));
   if (x == 0x9e3779b9u) *sink = x;
+}
+
+/* The way the attention kernels read: bulk (TMA) copies into a ring of nst 32 KB stages,
+ * one producer thread, one consumer thread that takes each stage as it lands and frees it
+ * (no arithmetic: the ring's own ceiling). CTA b reads tiles [b per, (b + 1) per); tile g is
+ * eight 4 KB pages, page k at perm[8 g + k] (shuffled) or 8 g + k, in copies of `copy`
+ * bytes (at most 4 KB where shuffled; a larger copy spans pages in order). */
+#define TILE_B 32768
+__global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32_t *perm, int per, int copy, int nst,
+                                                   uint32_t *sink) {
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem), stages = bars + 1024;
+  auto full = [&](int s) { return bars + 16 * s; };
+  auto empty = [&](int s) { return bars + 16 * s + 8; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < nst; s++) mbar_init(full(s), 1), mbar_init(empty(s), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const size_t g0 = (size_t)blockIdx.x * per;
+  if (threadIdx.x == 0) {
+    for (int t = 0; t < per; t++) {
+      const int s = t % nst;
+      if (t >= nst) mbar_wait(empty(s), (t / nst - 1) & 1);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full(s)), "r"(TILE_B) : "memory");
+      for (int c = 0; c < TILE_B / copy; c++) {
+        const size_t off = (size_t)c * copy, page = 8 * (g0 + t) + off / 4096;
+        const char *src = p + (perm ? (size_t)perm[page] * 4096 + off % 4096 : (g0 + t) * TILE_B + off);
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                         stages + s * TILE_B + (uint32_t)off),
+                     "l"(src), "r"(copy), "r"(full(s))
+                     : "memory");
+      }
+    }
+  } else if (threadIdx.x == 32) {
+    uint32_t x = 0;
+    for (int t = 0; t < per; t++) {
+      const int s = t % nst;
+      mbar_wait(full(s), (t / nst) & 1);
+      x ^= *reinterpret_cast<volatile uint32_t *>(smem + 1024 + s * TILE_B + (t & 63) * 4);
+      mbar_arrive(empty(s));
+    }
+    if (x == 0x9e3779b9u) *sink = x;
+  }
 }
 
 __global__ void copy_kernel(const uint4 *p, uint4 *q, size_t n) {
@@ -128,6 +177,22 @@ int main() {
         const double moved = (double)per * g * kb * 1024;
         printf("chunks of %2d KB, %s, %3d SMs: %.3f ms, %.3f TB/s\n", kb, shuffled ? "shuffled" : "in order", g, bestc,
                moved / bestc / 1e9);
+      }
+    }
+    if (kb == 4) { /* the same pages, by bulk copies into a ring (bulk_kernel) */
+      CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
+      const int per = (int)(bytes / TILE_B / nsm);
+      const double moved = (double)per * nsm * TILE_B;
+      struct { int copy, shuffled, nst; } bv[] = {{2048, 1, 4}, {4096, 1, 4}, {4096, 0, 4}, {8192, 0, 4},
+                                                  {32768, 0, 4}, {2048, 1, 6}, {4096, 1, 6}, {32768, 0, 6}};
+      for (auto v : bv) {
+        const uint32_t *pp = v.shuffled ? dperm : nullptr; /* dperm holds the shuffled 4 KB order */
+        const float bb = best_ms(e0, e1, [&] {
+          bulk_kernel<<<nsm, 64, 1024 + v.nst * TILE_B>>>(reinterpret_cast<const char *>(p), pp, per, v.copy, v.nst, sink);
+        });
+        if (bb < 0) return 1;
+        printf("bulk copies of %2d KB, %s, %d x 32 KB stages, %d SMs: %.3f ms, %.3f TB/s\n", v.copy / 1024,
+               v.shuffled ? "4 KB pages shuffled" : "in order", v.nst, nsm, bb, moved / bb / 1e9);
       }
     }
     CHECK(cudaFree(dperm));

@@ -5,7 +5,8 @@
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
-# launch (B=8 L=4k H=32 d=64, causal); ceiling: read and copy bandwidth, and reads in
+# launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL (16384),
+# ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side; ceiling: read and copy bandwidth, and reads in
 # page-sized chunks in order and shuffled (tests/cuda/readbw.cu); chain: cycles of one
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
@@ -18,7 +19,7 @@ quick=${2:-}
 OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
 if [ "$what" = ceiling ]; then
-  nvcc -O3 -gencode arch=compute_90,code=sm_90 tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" | tee "$OUT/ceiling.txt"
+  nvcc -O3 -gencode arch=compute_90,code=sm_90 -Ikernels/cuda tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" | tee "$OUT/ceiling.txt"
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = chain ]; then
@@ -81,6 +82,15 @@ if [ "$what" != tests ]; then
     $NCU --kernel-name regex:attn_kernel --launch-skip 3 --launch-count 1 $NCU_SECTIONS \
       $BENCH --one-decode 8 16384 > "$OUT/ncu.txt" 2>&1
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu.txt" | grep -E "[0-9]" | head -80
+    exit 0
+  fi
+  if [ "$what" = profile-peer ]; then # one decode step of PB x PL, ours and cuDNN's, side by side
+    sec="--section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy"
+    $NCU --kernel-name regex:prefill_kernel --launch-skip 3 --launch-count 1 $sec \
+      $BENCH --one-decode "${PB:-32}" "${PL:-16384}" > "$OUT/ncu-ours.txt" 2>&1
+    $NCU --kernel-name regex:'cudnn|fmha|sdpa|flash' --launch-skip 5 --launch-count 1 $sec \
+      python3 clients/bench/sdpa_peer.py --one-decode "${PB:-32}" "${PL:-16384}" --peer cudnn > "$OUT/ncu-cudnn.txt" 2>&1
+    python3 tests/cuda/ncu_side.py "$OUT/ncu-ours.txt" "$OUT/ncu-cudnn.txt"
     exit 0
   fi
   if [ "$what" = profile-prefill ]; then
