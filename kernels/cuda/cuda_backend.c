@@ -56,6 +56,7 @@ typedef struct cuda_ctx {
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
                        DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
+  int pipes_partial; /* batches with partial rows as pipes too (unless DA_CUDA_SM90_DECODE=pipes-inrow) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -254,11 +255,15 @@ static int prefill_path(int head_dim, int tile, int *path, char *err, size_t err
 }
 
 /* DA_CUDA_SM90_DECODE, where decode-only batches run on sm_90: 0 attn.cu, 1 prefill_sm90.cu's
- * one ring, pipes (the default), pipes-serial (pipes in the serial form). */
-enum { DEC_ATTN, DEC_RING, DEC_PIPES, DEC_PIPES_SERIAL };
+ * one ring, pipes (the default), pipes-serial (pipes in the serial form), pipes-inrow (pipes
+ * only where no row is split over partial items, the rule before v5.10). */
+enum { DEC_ATTN, DEC_RING, DEC_PIPES, DEC_PIPES_SERIAL, DEC_PIPES_INROW };
 static int decode_path(int *dec, char *err, size_t errlen) {
-  static const env_choice names[] = {
-      {"0", DEC_ATTN}, {"1", DEC_RING}, {"pipes", DEC_PIPES}, {"pipes-serial", DEC_PIPES_SERIAL}};
+  static const env_choice names[] = {{"0", DEC_ATTN},
+                                     {"1", DEC_RING},
+                                     {"pipes", DEC_PIPES},
+                                     {"pipes-serial", DEC_PIPES_SERIAL},
+                                     {"pipes-inrow", DEC_PIPES_INROW}};
   return env_pick("DA_CUDA_SM90_DECODE", names, sizeof(names) / sizeof(names[0]), DEC_PIPES, dec, err, errlen);
 }
 
@@ -355,6 +360,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (c->sm90_decode && dec != DEC_RING)
       c->sm90_pipes = DA_CU_SM90_PIPES | (dec == DEC_PIPES_SERIAL || path == DA_CU_SM90_SERIAL ? DA_CU_SM90_SERIAL
                                                                                                : DA_CU_SM90_PIPELINED);
+    c->pipes_partial = dec != DEC_PIPES_INROW;
 #else
     (void)path, (void)dec;
 #endif
@@ -602,11 +608,13 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
       pl->host_in = pl->host_out = 1;
     }
   }
-  /* Decode rows only (every block of at most 16 rows), all in-row: the launch runs as pipes
+  /* Decode rows only (every block of at most 16 rows): the launch runs as pipes
    * (prefill_sm90.cu). Same-run A/Bs (NOTES.md v5.3): B 32 1-3 % faster on an H200 and 0-1.4 %
-   * on an H100, B 64-128 0-2 %; batches with partials (B 1-8) 0.5-1 % slower, so they keep
-   * the one ring. */
-  pl->pipes = c->sm90_pipes && pl->partial_rows == 0 && max_block_rows <= 16 ? DA_CU_SM90_N_PIPES : 1;
+   * on an H100, B 64-128 0-2 %. Batches with partial rows were 0.5-1 % slower as pipes then
+   * and kept one ring; with items by ticket (v5.9) they gain (NOTES.md v5.10). */
+  pl->pipes = c->sm90_pipes && (pl->partial_rows == 0 || c->pipes_partial) && max_block_rows <= 16
+                  ? DA_CU_SM90_N_PIPES
+                  : 1;
   /* A partial CTA takes `per` consecutive splits of its block, each finalized and written
    * on its own (the bits do not depend on per). A wave is the persistent grid's CTAs where
    * prefill_sm90.cu runs every item (sm90_decode: one CTA per SM, items round-robin), else

@@ -5,12 +5,14 @@
  * to a quarter of them, a plain copy, and reads in chunks the size of KV pages (16 tokens of
  * one kv head at head_dim 128 is 4 KB; 64 tokens 16 KB) at shuffled places, each CTA a run
  * of chunks as a decode item walks its page table: whether scattered pages, not the kernel,
- * cap the decode read rate; and those pages by bulk (TMA) copies into a ring of 32 KB stages,
- * as the attention kernels load them. Best of five timed launches after a warm-up.
+ * cap the decode read rate; those pages by bulk (TMA) copies into a ring of 32 KB stages; and
+ * the decode kernel's own K/V stream (tensor-map boxes over the pool's layout, no attention). Best of five timed launches after a warm-up.
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary).
  */
 #include <cstdint>
 #include <cstdio>
+
+#include <cudaTypedefs.h>
 
 #include "mbarrier.cuh"
 
@@ -86,6 +88,62 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
       mbar_wait(full(s), (t / nst) & 1);
       x ^= *reinterpret_cast<volatile uint32_t *>(smem + 1024 + s * TILE_B + (t & 63) * 4);
       mbar_arrive(empty(s));
+    }
+    if (x == 0x9e3779b9u) *sink = x;
+  }
+}
+
+/* The decode kernel's own K/V stream (prefill_sm90.cu's produce, without the attention):
+ * the pool as [rows][128] bf16 in pages of 2 (K, V) x 8 kv heads x 16 tokens (64 KB), boxes
+ * of 16 rows x 64 columns, 128-byte swizzled, L2 promotion 256 B. A tile is 64 tokens of one
+ * kv head: 4 pages, lane c < 4 of the producer warp issuing its page's four boxes (K and V,
+ * two column blocks), 32 KB on the stage's barrier. pipes independent rings a CTA (producer
+ * warp 2w, consumer warp 2w + 1) of nst stages each; stream s = b pipes + w reads kv head
+ * s % 8 of pages perm[(s / 8) per 4 + 4 i + c] (mod n_pages) for its tiles i < per. */
+__global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
+                                                    int n_pages, int per, int nst, uint32_t *sink) {
+  extern __shared__ __align__(1024) char smem[];
+  const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
+  const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
+  auto full = [&](int st) { return bars + 16 * st; };
+  auto empty = [&](int st) { return bars + 16 * st + 8; };
+  if (role == 0 && lane == 0) {
+    for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int s = blockIdx.x * (blockDim.x / 64) + w;
+  const int kvh = s % 8;
+  if (role == 0) {
+    if (lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm)) : "memory");
+    for (int i = 0; i < per; i++) {
+      const int st = i % nst;
+      if (i >= nst) mbar_wait(empty(st), (i / nst - 1) & 1);
+      const uint32_t kd = stages + (uint32_t)(w * nst + st) * TILE_B, vd = kd + TILE_B / 2;
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full(st)), "r"(TILE_B) : "memory");
+      __syncwarp();
+      if (lane < 4) {
+        const size_t k = ((size_t)(s / 8) * per + i) * 4 + lane;
+        const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
+        const int row = pg * 256 + kvh * 16;
+        for (int cb = 0; cb < 2; cb++) {
+          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                       ::"r"(kd + cb * 64 * 128 + lane * 16 * 128), "l"(reinterpret_cast<uint64_t>(&tm)), "r"(cb * 64), "r"(row), "r"(full(st))
+                       : "memory");
+          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                       ::"r"(vd + cb * 64 * 128 + lane * 16 * 128), "l"(reinterpret_cast<uint64_t>(&tm)), "r"(cb * 64), "r"(row + 128), "r"(full(st))
+                       : "memory");
+        }
+      }
+    }
+  } else if (lane == 0) {
+    uint32_t x = 0;
+    for (int i = 0; i < per; i++) {
+      const int st = i % nst;
+      mbar_wait(full(st), (i / nst) & 1);
+      x ^= *reinterpret_cast<volatile uint32_t *>(smem + 1024 + (size_t)(w * nst + st) * TILE_B + (i & 63) * 4);
+      mbar_arrive(empty(st));
     }
     if (x == 0x9e3779b9u) *sink = x;
   }
@@ -193,6 +251,53 @@ int main() {
         if (bb < 0) return 1;
         printf("bulk copies of %2d KB, %s, %d x 32 KB stages, %d SMs: %.3f ms, %.3f TB/s\n", v.copy / 1024,
                v.shuffled ? "4 KB pages shuffled" : "in order", v.nst, nsm, bb, moved / bb / 1e9);
+      }
+    }
+    CHECK(cudaFree(dperm));
+    delete[] h;
+  }
+  /* The decode kernel's stream (tma_kernel): grids of 128 (the B 8 step's) and all SMs, one
+   * ring of 4 stages or two pipes of 3 (the in-row decode form), pages in order and shuffled. */
+  {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult qr;
+    CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
+    const int n_pages = (int)(bytes / 65536);
+    CUtensorMap tm;
+    const cuuint64_t dims[2] = {128, (cuuint64_t)n_pages * 256}, strides[1] = {256};
+    const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1};
+    if (qr != cudaDriverEntryPointSuccess ||
+        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
+                                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      fprintf(stderr, "readbw: no tensor map\n");
+      return 1;
+    }
+    uint32_t *h = new uint32_t[n_pages], *dperm = nullptr;
+    for (int i = 0; i < n_pages; i++) h[i] = (uint32_t)i;
+    uint64_t r = 0x2545f4914f6cdd1dull;
+    for (int i = n_pages - 1; i > 0; i--) {
+      r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+      const int k = (int)(r % (uint64_t)(i + 1));
+      const uint32_t t = h[i];
+      h[i] = h[k], h[k] = t;
+    }
+    CHECK(cudaMalloc(&dperm, (size_t)n_pages * 4));
+    CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
+    struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
+    for (int shuffled = 0; shuffled < 2; shuffled++) {
+      for (auto v : tv) {
+        const int per = 65536 / (v.grid * v.pipes);
+        const double moved = (double)per * v.grid * v.pipes * TILE_B;
+        const float bt = best_ms(e0, e1, [&] {
+          tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(tm, shuffled ? dperm : nullptr, n_pages,
+                                                                                 per, v.nst, sink);
+        });
+        if (bt < 0) return 1;
+        printf("decode stream (TMA boxes), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
+               shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ", v.nst, bt, moved / bt / 1e9);
       }
     }
     CHECK(cudaFree(dperm));

@@ -394,7 +394,7 @@ START_TEST(create_rejects_unknown_path_settings) {
   static const struct {
     const char *var, *val, *choices;
   } bad[] = {{"DA_CUDA_PREFILL", "wgmma-fast", "expected mma, wgmma, wgmma-serial, wgmma-pipelined or wgmma-pingpong"},
-             {"DA_CUDA_SM90_DECODE", "yes", "expected 0, 1, pipes or pipes-serial"},
+             {"DA_CUDA_SM90_DECODE", "yes", "expected 0, 1, pipes, pipes-serial or pipes-inrow"},
              {"DA_CUDA_PARTIAL_PER", "65", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"}};
