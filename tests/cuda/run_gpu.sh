@@ -5,9 +5,10 @@
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
-# launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL (16384),
-# ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side; ceiling: read and copy bandwidth, and reads in
-# page-sized chunks in order and shuffled (tests/cuda/readbw.cu); chain: cycles of one
+# launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL
+# (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
+# ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
+# the decode kernel's own TMA stream (tests/cuda/readbw.cu); chain: cycles of one
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
