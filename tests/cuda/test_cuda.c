@@ -512,21 +512,26 @@ START_TEST(digests_pinned_for_this_kernel_version) {
 }
 END_TEST
 
-/* How prefill_sm90.cu's grid gets its items never changes a bit: the pinned workload dealt
- * round-robin and with tickets for in-row batches only gives the default's digests (every
- * launch by ticket). */
+/* How prefill_sm90.cu's grid gets its items, and whether decode batches with partial rows
+ * run as pipes, never changes a bit: the pinned workload dealt round-robin, with tickets for
+ * in-row batches only, and with pipes for in-row decode batches only gives the default's
+ * digests (every launch by ticket, every decode batch as pipes). */
 START_TEST(every_deal_gives_the_same_digests) {
-  static const char *deals[] = {"round-robin", "tickets-inrow"};
+  static const struct {
+    const char *var, *val;
+  } forms[] = {{"DA_CUDA_SM90_DEAL", "round-robin"},
+               {"DA_CUDA_SM90_DEAL", "tickets-inrow"},
+               {"DA_CUDA_SM90_DECODE", "pipes-inrow"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
-  for (size_t k = 0; k < sizeof(deals) / sizeof(deals[0]); k++) {
-    setenv("DA_CUDA_SM90_DEAL", deals[k], 1);
+  for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
+    setenv(forms[k].var, forms[k].val, 1);
     for (int i = 0; i < N_CFGS; i++) {
       const uint64_t d = workload_digest(&cfgs[i]);
-      ck_assert_msg(d == want[i], "cfg %d: DA_CUDA_SM90_DEAL=%s gives 0x%016llx, the default 0x%016llx", i, deals[k],
-                    (unsigned long long)d, (unsigned long long)want[i]);
+      ck_assert_msg(d == want[i], "cfg %d: %s=%s gives 0x%016llx, the default 0x%016llx", i, forms[k].var,
+                    forms[k].val, (unsigned long long)d, (unsigned long long)want[i]);
     }
-    unsetenv("DA_CUDA_SM90_DEAL");
+    unsetenv(forms[k].var);
   }
 }
 END_TEST
