@@ -26,6 +26,9 @@
 #                     prefill rounds as well (as DEC_VARIANTS in the decode rounds)
 #   VFLAGS []         CMAKE_CUDA_FLAGS of a third build ("var"), e.g. -DSOME_MACRO=1, timed in
 #                     the prefill and the decode rounds
+#   VBUILDS []        "name:flags ...": more builds of this tree, each with its CMAKE_CUDA_FLAGS
+#                     (several flags joined by +), timed as VFLAGS's is under their names, e.g.
+#                     "defer:-DDA_EXP_DEFER nowrite:-DDA_EXP_NOWRITE" (VFLAGS=f is "var:f")
 #   CTEST [1]         1: the gpu-labelled tests on the new build
 #   PEERS [0]         1: PyTorch SDPA prefill peers, ratios for old and new
 # Results: $OUT/summary.txt (printed), every csv and log in $OUT/all.tgz.
@@ -48,24 +51,28 @@ configure "$OLD" build-ab-old old
 pids=()
 (cmake --build build-ab-old --target detattn-bench -j4 > "$OUT/build-old.log" 2>&1) &
 pids+=($!)
-if [ -n "${VFLAGS:-}" ]; then
-  configure . build-ab-var var "-DCMAKE_CUDA_FLAGS=$VFLAGS"
-  (cmake --build build-ab-var --target detattn-bench -j4 > "$OUT/build-var.log" 2>&1) &
+VB="${VBUILDS:-}"
+[ -n "${VFLAGS:-}" ] && VB="var:$(tr ' ' + <<< "$VFLAGS") $VB"
+for vb in $VB; do # name:flags
+  configure . "build-ab-${vb%%:*}" "${vb%%:*}" "-DCMAKE_CUDA_FLAGS=$(tr + ' ' <<< "${vb#*:}")"
+  (cmake --build "build-ab-${vb%%:*}" --target detattn-bench -j4 > "$OUT/build-${vb%%:*}.log" 2>&1) &
   pids+=($!)
-fi
+done
 cmake --build build-gpu -j8 > "$OUT/build-new.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build-new.log" | head -30; exit 1; }
 for p in "${pids[@]}"; do wait "$p" || { grep -E "error|FAILED" -A3 "$OUT"/build-*.log | head -30; exit 1; }; done
 stamp built
 
 NEW="build-gpu/bin/detattn-bench --backend cuda"
 OLDB="build-ab-old/bin/detattn-bench --backend cuda"
-VAR="build-ab-var/bin/detattn-bench --backend cuda"
 for r in $(seq 1 "${ROUNDS:-2}"); do
   [ "${PREFILL:-1}" = 1 ] || break
   for S in ${SPLITS:-512 2048}; do
     $OLDB --prefill-only --split "$S" > "$OUT/pre-old-$S-$r.csv" 2>> "$OUT/bench.err"
     $NEW --prefill-only --split "$S" > "$OUT/pre-new-$S-$r.csv" 2>> "$OUT/bench.err"
-    [ -n "${VFLAGS:-}" ] && $VAR --prefill-only --split "$S" > "$OUT/pre-var-$S-$r.csv" 2>> "$OUT/bench.err"
+    for vb in $VB; do
+      "build-ab-${vb%%:*}/bin/detattn-bench" --backend cuda --prefill-only --split "$S" \
+        > "$OUT/pre-${vb%%:*}-$S-$r.csv" 2>> "$OUT/bench.err"
+    done
     for v in ${VARIANTS:-}; do
       DA_CUDA_PREFILL=$v $NEW --prefill-only --split "$S" > "$OUT/pre-$v-$S-$r.csv" 2>> "$OUT/bench.err"
     done
@@ -100,7 +107,9 @@ if [ "${DECODE:-0}" = 1 ]; then
     for S in ${DEC_SPLITS:-512}; do
       dec "$OUT/dec-old-$S-$r.csv" $OLDB
       dec "$OUT/dec-new-$S-$r.csv" $NEW
-      [ -n "${VFLAGS:-}" ] && dec "$OUT/dec-var-$S-$r.csv" $VAR
+      for vb in $VB; do
+        dec "$OUT/dec-${vb%%:*}-$S-$r.csv" "build-ab-${vb%%:*}/bin/detattn-bench" --backend cuda
+      done
       for v in ${DEC_VARIANTS:-}; do
         dec "$OUT/dec-${v%%:*}-$S-$r.csv" env $(tr + ' ' <<< "${v#*:}") $NEW
       done
