@@ -6,7 +6,8 @@
  * one kv head at head_dim 128 is 4 KB; 64 tokens 16 KB) at shuffled places, each CTA a run
  * of chunks as a decode item walks its page table: whether scattered pages, not the kernel,
  * cap the decode read rate; those pages by bulk (TMA) copies into a ring of 32 KB stages; and
- * the decode kernel's own K/V stream (tensor-map boxes over the pool's layout, no attention). Best of five timed launches after a warm-up.
+ * the decode kernel's own K/V stream (tensor-map boxes over the pool's layout, no attention).
+ * Best of five timed launches after a warm-up.
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary).
  */
 #include <cstdint>
@@ -14,9 +15,9 @@
 
 #include <cudaTypedefs.h>
 
-#include "mbarrier.cuh"
+#include "sm90.cuh" /* mbarriers and TMA: the attention kernels' own */
 
-using namespace da_cu;
+using namespace da_sm90;
 
 #define SMEM (150 * 1024) /* more than half an SM's shared memory: one CTA an SM */
 
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
   auto empty = [&](int s) { return bars + 16 * s + 8; };
   if (threadIdx.x == 0) {
     for (int s = 0; s < nst; s++) mbar_init(full(s), 1), mbar_init(empty(s), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   const size_t g0 = (size_t)blockIdx.x * per;
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
     for (int t = 0; t < per; t++) {
       const int s = t % nst;
       if (t >= nst) mbar_wait(empty(s), (t / nst - 1) & 1);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full(s)), "r"(TILE_B) : "memory");
+      mbar_arrive_tx(full(s), TILE_B);
       for (int c = 0; c < TILE_B / copy; c++) {
         const size_t off = (size_t)c * copy, page = 8 * (g0 + t) + off / 4096;
         const char *src = p + (perm ? (size_t)perm[page] * 4096 + off % 4096 : (g0 + t) * TILE_B + off);
@@ -109,31 +110,26 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
   auto empty = [&](int st) { return bars + 16 * st + 8; };
   if (role == 0 && lane == 0) {
     for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   const int s = blockIdx.x * (blockDim.x / 64) + w;
   const int kvh = s % 8;
   if (role == 0) {
-    if (lane == 0) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm)) : "memory");
+    if (lane == 0) tma_prefetch_desc(&tm);
     for (int i = 0; i < per; i++) {
       const int st = i % nst;
       if (i >= nst) mbar_wait(empty(st), (i / nst - 1) & 1);
       const uint32_t kd = stages + (uint32_t)(w * nst + st) * TILE_B, vd = kd + TILE_B / 2;
-      if (lane == 0)
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(full(st)), "r"(TILE_B) : "memory");
+      if (lane == 0) mbar_arrive_tx(full(st), TILE_B);
       __syncwarp();
       if (lane < 4) {
         const size_t k = ((size_t)(s / 8) * per + i) * 4 + lane;
         const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
         const int row = pg * 256 + kvh * 16;
         for (int cb = 0; cb < 2; cb++) {
-          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                       ::"r"(kd + cb * 64 * 128 + lane * 16 * 128), "l"(reinterpret_cast<uint64_t>(&tm)), "r"(cb * 64), "r"(row), "r"(full(st))
-                       : "memory");
-          asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                       ::"r"(vd + cb * 64 * 128 + lane * 16 * 128), "l"(reinterpret_cast<uint64_t>(&tm)), "r"(cb * 64), "r"(row + 128), "r"(full(st))
-                       : "memory");
+          tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
+          tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
         }
       }
     }
@@ -164,6 +160,18 @@ __global__ void copy_kernel(const uint4 *p, uint4 *q, size_t n) {
 
 /* The best of five timed runs of launch() after one warm-up, ms; -1 (the error printed) if
  * a launch or an event failed. */
+/* h[0, n) = 0 .. n - 1, shuffled by a fixed xorshift Fisher-Yates when shuffled. */
+static void fill_order(uint32_t *h, size_t n, bool shuffled) {
+  for (size_t i = 0; i < n; i++) h[i] = (uint32_t)i;
+  uint64_t r = 0x9e3779b97f4a7c15ull;
+  for (size_t i = n - 1; shuffled && i > 0; i--) {
+    r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+    const size_t k = r % (i + 1);
+    const uint32_t t = h[i];
+    h[i] = h[k], h[k] = t;
+  }
+}
+
 template <class F> float best_ms(cudaEvent_t e0, cudaEvent_t e1, F launch) {
   float best = 1e30f;
   for (int r = 0; r < 6; r++) {
@@ -218,14 +226,7 @@ int main() {
     uint32_t *dperm = nullptr;
     CHECK(cudaMalloc(&dperm, nchunk * 4));
     for (int shuffled = 0; shuffled < 2; shuffled++) {
-      for (size_t i = 0; i < nchunk; i++) h[i] = (uint32_t)i;
-      uint64_t r = 0x9e3779b97f4a7c15ull;
-      for (size_t i = nchunk - 1; shuffled && i > 0; i--) {
-        r ^= r << 13, r ^= r >> 7, r ^= r << 17;
-        const size_t k = r % (i + 1);
-        const uint32_t t = h[i];
-        h[i] = h[k], h[k] = t;
-      }
+      fill_order(h, nchunk, shuffled);
       CHECK(cudaMemcpy(dperm, h, nchunk * 4, cudaMemcpyHostToDevice));
       for (int g : {nsm, 128}) {
         const int q = shift < 12 ? 1 << (12 - shift) : 1; /* whole rounds of the four loads */
@@ -275,14 +276,7 @@ int main() {
       return 1;
     }
     uint32_t *h = new uint32_t[n_pages], *dperm = nullptr;
-    for (int i = 0; i < n_pages; i++) h[i] = (uint32_t)i;
-    uint64_t r = 0x2545f4914f6cdd1dull;
-    for (int i = n_pages - 1; i > 0; i--) {
-      r ^= r << 13, r ^= r >> 7, r ^= r << 17;
-      const int k = (int)(r % (uint64_t)(i + 1));
-      const uint32_t t = h[i];
-      h[i] = h[k], h[k] = t;
-    }
+    fill_order(h, (size_t)n_pages, true);
     CHECK(cudaMalloc(&dperm, (size_t)n_pages * 4));
     CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
