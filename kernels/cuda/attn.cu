@@ -394,7 +394,7 @@ attn_kernel(const da_cu_args a) {
             acc, r, st.m[r], l_row, how, part, [&](int n, int e) -> float & { return myfold[(n * 4 + e) * 32]; },
             fold_lse[r]);
         if (partial) {
-          if (qd == 0 && lse_writer) a.acc_lse[slot] = lse;
+          if (qd == 0 && lse_writer) da_st_partial(a.acc_lse + slot, lse, da_l2_evict_last());
         } else {
           fold_lse[r] = lse;
         }

@@ -44,6 +44,7 @@
 typedef struct cuda_ctx {
   da_backend_cfg cfg;
   int n_sm, dead;
+  int64_t l2_bytes; /* the device's L2: launches whose K/V exceed it stream K/V (args.kv_stream) */
   int sm90_prefill; /* blocks of more than 16 rows on prefill_sm90.cu: 0 no (attn.cu), else DA_CU_SM90_* */
   int sm90_grid;     /* DA_CUDA_SM90_GRID (tests, benchmarks): 0 a persistent grid of one CTA per SM, -1
                        ("items") one CTA per item, k > 0 a persistent grid of at most k CTAs */
@@ -338,6 +339,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
   }
   snprintf(c->arch, sizeof(c->arch), "sm_%d%d", prop.major, prop.minor);
   c->n_sm = prop.multiProcessorCount;
+  c->l2_bytes = prop.l2CacheSize;
 
   const da_model *m = &cfg->model;
   {
@@ -717,9 +719,11 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
     const int64_t grid = (c->sm90_grid > 0 ? c->sm90_grid : c->n_sm) * pl->pipes;
     (void)da_cu_deal(m, c->brows, S, c->cfg.num.tile_tokens, b->attns, its, n_l, grid < n_l ? grid : n_l);
   }
+  int64_t kv_tokens = 0; /* K/V rows the launch reads, a kv head's */
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t end = (int64_t)a->q_pos + a->n_q, rows = (int64_t)a->n_q * m->n_q_heads;
+    if (a->n_q > 0) kv_tokens += m->window > 0 && end > (int64_t)m->window + a->n_q ? (int64_t)m->window + a->n_q : end;
     da_cu_attn *at = &ats[i];
     memset(at, 0, sizeof(*at));
     at->layer = a->layer, at->q_pos = a->q_pos, at->n_q = a->n_q, at->n_pages = a->n_pages;
@@ -801,6 +805,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
+  g->kv_stream = kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
   c->launch_pipes = pl->pipes > 1;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;

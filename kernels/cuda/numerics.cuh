@@ -214,6 +214,25 @@ __device__ __forceinline__ float da_merge_o(float wa, float wb, float o, float o
 }
 
 /*
+ * Stores of a split's partial (o_j, lse_j) to the accumulator pools, with an L2 evict_last
+ * policy: they stay in L2 for the combine. Evicted dirty by the K/V stream, and so written
+ * back while it runs, they cost ~1 us a split end a pipe (NOTES v5.11; prefill_sm90.cu's
+ * streaming loads, evict_first, are the other half). A cache hint changes no value. The
+ * policy is made where it is used (volatile: no register held across the kernel's loops).
+ */
+__device__ __forceinline__ uint64_t da_l2_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void da_st_partial(float *p, float v, uint64_t pol) {
+  asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(p), "f"(v), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void da_st_partial2(float *p, float x, float y, uint64_t pol) {
+  asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;" ::"l"(p), "f"(x), "f"(y), "l"(pol) : "memory");
+}
+
+/*
  * The split end of one row r of a thread's m16n8 accumulator fragments acc[NV][4] (the
  * thread's elements of that row: acc[n][2 r], acc[n][2 r + 1]), split state (m, l):
  *   DA_END_WRITE  o_j to the accumulator pool: part + n * 8 gets the pair of fragment n
@@ -230,10 +249,10 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
   const float lse_j = da_finalize_lse(m, l);
   const float rl = da_recip(l);
   if (how == DA_END_WRITE) {
+    const uint64_t pol = da_l2_evict_last();
 #pragma unroll
     for (int n = 0; n < NV; n++)
-      *reinterpret_cast<float2 *>(part + n * 8) =
-          make_float2(da_finalize_o(rl, acc[n][2 * r]), da_finalize_o(rl, acc[n][2 * r + 1]));
+      da_st_partial2(part + n * 8, da_finalize_o(rl, acc[n][2 * r]), da_finalize_o(rl, acc[n][2 * r + 1]), pol);
     return lse_j;
   }
   if (how == DA_END_FIRST) {

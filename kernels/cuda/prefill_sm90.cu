@@ -166,6 +166,7 @@ struct prod_item {
   int64_t k_rows;
   const int32_t *pt;
   int32_t ids, ids_next;
+  bool kv_first; /* its K/V loads go first from L2 (prod_load) */
 };
 
 /* Boxes of one tile: chunks of R = min(page_tokens, BN) rows; tpb tiles a page-id batch. */
@@ -186,6 +187,10 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
   pi.kt_begin = ir.kt_begin, pi.kt_end = ir.kt_end, pi.w0_min = ir.w0_min, pi.p_max = ir.p_max;
   pi.k_rows = ((int64_t)ir.at.layer * 2 * a.n_kv_heads + ir.it.kv_head) * a.page_tokens;
   pi.pt = a.pages + ir.at.pt_off;
+  /* Every row of the attention in this item (a decode step, a short chunk): no other item
+   * reads its K/V tiles; in a launch that streams more K/V than the L2 holds they go first
+   * from it, and the partials (numerics.cuh) stay there for the combine. */
+  pi.kv_first = a.kv_stream && ir.at.n_q * (a.n_q_heads / a.n_kv_heads) <= cta<D, BN>::BM;
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
@@ -273,8 +278,14 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
       const int row = (int)((int64_t)pg * page_rows + pi.k_rows + (c0 & (a.page_tokens - 1)));
 #pragma unroll
       for (int cb = 0; cb < L::CB; cb++) {
-        tma_load_2d(kd + cb * BN * 128 + lane * R * 128, tm, cb * 64, row, bar);
-        tma_load_2d(vd + cb * BN * 128 + lane * R * 128, tm, cb * 64, row + (int)v_rows, bar);
+        const uint32_t ko = kd + cb * BN * 128 + lane * R * 128, vo = vd + cb * BN * 128 + lane * R * 128;
+        if (pi.kv_first) {
+          tma_load_2d(ko, tm, cb * 64, row, bar, l2_evict_first());
+          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, l2_evict_first());
+        } else {
+          tma_load_2d(ko, tm, cb * 64, row, bar);
+          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar);
+        }
       }
     }
     if (!clean) {
@@ -515,7 +526,7 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
       }
       const float lse = da_split_end<NV>(acc, r, fs.m[r], l_row, how, part, [&](int n, int e) -> float & { return fold[n][e]; }, fold_lse[r]);
       if (partial) {
-        if (qd == 0) a.acc_lse[slot] = lse;
+        if (qd == 0) da_st_partial(a.acc_lse + slot, lse, da_l2_evict_last());
       } else {
         fold_lse[r] = lse;
       }
