@@ -488,6 +488,12 @@ static int check_pages(const cuda_ctx *c, const int32_t *pages, int n_pages, int
   return 0;
 }
 
+/* The first key attention a's rows see: its first row's window start. */
+static int64_t attn_w0(const da_model *m, const da_attn *a) {
+  const int64_t w0 = m->window > 0 ? (int64_t)a->q_pos - m->window + 1 : 0;
+  return w0 > 0 ? w0 : 0;
+}
+
 static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, size_t errlen) {
   const da_model *m = &c->cfg.model;
   if (b->n_copies < 0 || b->n_appends < 0 || b->n_attns < 0 ||
@@ -531,9 +537,7 @@ static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, 
                a->q_pos, a->n_q);
       return DETATTN_INVALID_ARGUMENT;
     }
-    int64_t w0 = m->window > 0 ? a->q_pos - m->window + 1 : 0;
-    if (w0 < 0) w0 = 0;
-    int rv = check_pages(c, a->pages, a->n_pages, w0, (int64_t)a->q_pos + a->n_q, "attn", i, err,
+    int rv = check_pages(c, a->pages, a->n_pages, attn_w0(m, a), (int64_t)a->q_pos + a->n_q, "attn", i, err,
                          errlen);
     if (rv != 0) return rv;
   }
@@ -550,6 +554,7 @@ typedef struct plan {
   int max_splits; /* the most splits of a partial attention's rows */
   int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
   int64_t inrow_rows, partial_rows;
+  int64_t kv_tokens; /* keys the launch reads, a kv head's (args.kv_stream) */
   int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
   int64_t gseg_max, sseg_max; /* their largest segment, bytes */
   int host_in, host_out;    /* some inputs come from / outputs go to host memory (copied with the
@@ -579,8 +584,8 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     const da_attn *a = &b->attns[i];
     const int64_t end = (int64_t)a->q_pos + a->n_q;
     const int64_t nsp = ceil_div(end, S);
-    int64_t w0 = m->window > 0 ? a->q_pos - m->window + 1 : 0;
-    if (w0 < 0) w0 = 0;
+    const int64_t w0 = attn_w0(m, a);
+    if (a->n_q > 0) pl->kv_tokens += end - w0;
     const int multi = a->n_q > 0 && (end - 1) / S > w0 / S;
     const int64_t need = (int64_t)a->n_q * m->n_q_heads * nsp;
     int part = 0;
@@ -719,11 +724,9 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
     const int64_t grid = (c->sm90_grid > 0 ? c->sm90_grid : c->n_sm) * pl->pipes;
     (void)da_cu_deal(m, c->brows, S, c->cfg.num.tile_tokens, b->attns, its, n_l, grid < n_l ? grid : n_l);
   }
-  int64_t kv_tokens = 0; /* K/V rows the launch reads, a kv head's */
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t end = (int64_t)a->q_pos + a->n_q, rows = (int64_t)a->n_q * m->n_q_heads;
-    if (a->n_q > 0) kv_tokens += m->window > 0 && end > (int64_t)m->window + a->n_q ? (int64_t)m->window + a->n_q : end;
     da_cu_attn *at = &ats[i];
     memset(at, 0, sizeof(*at));
     at->layer = a->layer, at->q_pos = a->q_pos, at->n_q = a->n_q, at->n_pages = a->n_pages;
@@ -805,7 +808,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
-  g->kv_stream = kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
+  g->kv_stream = pl->kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
   c->launch_pipes = pl->pipes > 1;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
