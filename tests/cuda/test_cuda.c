@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
 #include <xxhash.h>
 
 #include "backend.h"
@@ -40,11 +41,11 @@ static da_model model_of(const tcfg *c) {
   return m;
 }
 
-static da_backend *open_be(const tcfg *c) {
+static da_backend *open_be_with(const tcfg *c, int n_pages, int poison) {
   da_backend_cfg cfg = {.model = model_of(c),
                         .num = {.split_tokens = c->S, .tile_tokens = c->T ? c->T : 64},
-                        .page_tokens = c->P, .n_pages = pool_pages, .acc_slots = 1 << 16,
-                        .staging_bytes = 16u << 20, .poison = 1};
+                        .page_tokens = c->P, .n_pages = n_pages, .acc_slots = 1 << 16,
+                        .staging_bytes = 16u << 20, .poison = poison};
   da_backend *be = NULL;
   char err[256] = "";
   int rv = da_backend_open(&be, "cuda", &cfg, err, sizeof(err));
@@ -52,17 +53,24 @@ static da_backend *open_be(const tcfg *c) {
   return be;
 }
 
-static void seq_init(seq *s, const tcfg *c, int cap, da_rng *r, uint8_t *used) {
+static da_backend *open_be(const tcfg *c) { return open_be_with(c, pool_pages, 1); }
+
+/* A sequence of cap tokens on random free pages of a pool of n_pool (used: taken pages). */
+static void seq_init_in(seq *s, const tcfg *c, int cap, da_rng *r, uint8_t *used, int n_pool) {
   memset(s, 0, sizeof(*s));
   s->cap = cap;
   s->n_pages = (cap + c->P - 1) / c->P;
   s->pages = malloc(sizeof(int32_t) * (size_t)s->n_pages);
   ck_assert(s->pages != NULL);
-  ck_assert_int_eq(da_test_random_pages_from(r, s->pages, s->n_pages, used, pool_pages), 0);
+  ck_assert_int_eq(da_test_random_pages_from(r, s->pages, s->n_pages, used, n_pool), 0);
   s->k = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
   s->v = da_test_random_tensor(r, c->dt, (size_t)cap * c->hkv * c->d, 1.0);
   s->q = da_test_random_tensor(r, c->dt, (size_t)cap * c->hq * c->d, 1.0);
   ck_assert(s->k && s->v && s->q);
+}
+
+static void seq_init(seq *s, const tcfg *c, int cap, da_rng *r, uint8_t *used) {
+  seq_init_in(s, c, cap, r, used, pool_pages);
 }
 
 static void seq_fini(seq *s) {
@@ -276,6 +284,69 @@ START_TEST(alone_equals_inside_random_batches) {
   }
   free(ref), free(got), free(scratch);
   for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  da_backend_close(be);
+}
+END_TEST
+
+/* A decode batch whose K/V exceed the device's L2 runs in the streaming form (cuda_backend.c
+ * sets args.kv_stream: K/V loaded evict_first, the combine drops each row's partials from the
+ * L2 once folded); each row alone, well inside the L2, does not. Same bits both ways, and
+ * nothing reads a dropped line later: alone, batch, batch, alone again agree. No poisoning
+ * here (it refills the pools before each launch), so the pools keep what launches leave. */
+START_TEST(streaming_batch_equals_rows_alone) {
+  static const tcfg c0 = {.hq = 8, .hkv = 2, .d = 128, .S = 512, .P = 64, .dt = DA_BF16};
+  const tcfg *c = &c0;
+  int l2 = 0;
+  ck_assert_int_eq(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0), cudaSuccess);
+  enum { NS = 4 };
+  /* The batch reads 1.5x the L2 of K/V (a key: hkv * d * 2 bytes each of K and V), a row
+   * alone 3/8 of it. */
+  const int64_t key_bytes = (int64_t)c->hkv * c->d * 4;
+  const int n = (int)((int64_t)l2 * 3 / 2 / key_bytes / NS / c->P + 1) * c->P;
+  const int n_pool = NS * (n / c->P) + 16;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 700);
+  da_backend *be = open_be_with(c, n_pool, 0);
+  uint8_t *used = calloc((size_t)n_pool, 1);
+  ck_assert(used != NULL);
+  seq s[NS];
+  for (int i = 0; i < NS; i++) {
+    seq_init_in(&s[i], c, n, &r, used, n_pool);
+    for (int pos = 0; pos < n; pos += 4096) { /* appends only, inside the staging buffer */
+      da_append ap = mk_append(c, &s[i], 0, pos, n - pos < 4096 ? n - pos : 4096);
+      da_batch b = {.appends = &ap, .n_appends = 1};
+      da_batch_result res;
+      run_ok(be, &b, &res);
+    }
+  }
+  const size_t row = (size_t)c->hq * c->d;
+  uint16_t *o[4];
+  float *lse[4];
+  for (int k = 0; k < 4; k++) {
+    o[k] = malloc((size_t)NS * row * 2), lse[k] = malloc((size_t)NS * c->hq * 4);
+    ck_assert(o[k] && lse[k]);
+  }
+  for (int k = 0; k < 4; k++) {
+    const int alone = k == 0 || k == 3;
+    da_attn at[NS];
+    for (int i = 0; i < NS; i++) {
+      at[i] = mk_attn(c, &s[i], 0, n - 1, 1, o[k], lse[k]);
+      at[i].o = o[k] + (size_t)i * row, at[i].lse = lse[k] + (size_t)i * c->hq;
+    }
+    for (int i = 0; i < (alone ? NS : 1); i++) {
+      da_batch b = {.attns = alone ? &at[i] : at, .n_attns = alone ? 1 : NS, .split_mode = DA_SPLIT_PARTIAL};
+      da_batch_result res;
+      run_ok(be, &b, &res);
+      ck_assert_int_eq(res.partial_rows, (int64_t)b.n_attns * c->hq);
+    }
+  }
+  for (int k = 1; k < 4; k++) {
+    assert_same(o[0], o[k], (size_t)NS * row * 2, k == 3 ? "alone after the streaming batches o" : "streaming batch o");
+    assert_same(lse[0], lse[k], (size_t)NS * c->hq * 4, "streaming batch lse");
+  }
+  for (int k = 0; k < 4; k++) free(o[k]), free(lse[k]);
+  for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  free(used);
   da_backend_close(be);
 }
 END_TEST
@@ -564,6 +635,10 @@ int main(void) {
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
   tcase_add_test(tc, digests_pinned_for_this_kernel_version);
   tcase_add_test(tc, every_deal_gives_the_same_digests);
+  suite_add_tcase(su, tc);
+  tc = tcase_create("streaming");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, streaming_batch_equals_rows_alone);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_set_fork_status(sr, CK_NOFORK);
