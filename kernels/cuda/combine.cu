@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   }
   /* The row's o_j are dead once folded (every chunk's copy has landed: dfull), and were stored
    * evict_last: in a launch that streams its K/V over the L2 their dirty lines would hold L2
-   * space and be written back to HBM. Dropped instead (B 8 L 64k: 3 % faster, NOTES v5.12).
+   * space and be written back to HBM. Dropped instead (B 8 L 64k: 2 % faster, NOTES v5.12).
    * The pool is written before it is read in every launch, so nothing reads the undefined
    * lines. A split's o_j is D * 4 bytes: whole 128-byte lines. */
   if (a.kv_stream) {
