@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   if (a.kv_stream) {
     const char *o0 = reinterpret_cast<const char *>(a.acc_o + first * D);
     const int lines = (n + 1) * D * 4 / 128;
-    for (int i = tid; i < lines; i += FOLD) asm volatile("discard.global.L2 [%0], 128;" ::"l"(o0 + 128 * i) : "memory");
+    for (int i = tid; i < lines; i += FOLD) da_l2_discard(o0 + 128 * i);
   }
 }
 

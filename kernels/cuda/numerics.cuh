@@ -214,16 +214,28 @@ __device__ __forceinline__ float da_merge_o(float wa, float wb, float o, float o
 }
 
 /*
- * Stores of a split's partial (o_j, lse_j) to the accumulator pools, with an L2 evict_last
- * policy: they stay in L2 for the combine. Evicted dirty by the K/V stream, and so written
- * back while it runs, they cost ~1 us a split end a pipe (NOTES v5.11; prefill_sm90.cu's
- * streaming loads, evict_first, are the other half). A cache hint changes no value. The
- * policy is made where it is used (volatile: no register held across the kernel's loops).
+ * L2 policies for a decode step's traffic (NOTES v5.11, v5.12); a cache hint changes no value.
+ * Stores of a split's partial (o_j, lse_j) to the accumulator pools take evict_last: they stay
+ * in L2 for the combine. Evicted dirty by the K/V stream, and so written back while it runs,
+ * they cost ~1 us a split end a pipe. In launches that stream K/V over the L2, prefill_sm90.cu
+ * loads the K/V that one item alone reads evict_first, and combine.cu drops a row's partials
+ * once folded (da_l2_discard). Policies are made where they are used (volatile: no register
+ * held across the kernels' loops).
  */
 __device__ __forceinline__ uint64_t da_l2_evict_last() {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
   return pol;
+}
+__device__ __forceinline__ uint64_t da_l2_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+/* The 128-byte L2 line at p (128-byte aligned) is dropped without a write-back: its contents
+ * become undefined, so only for data no one reads again before writing it. */
+__device__ __forceinline__ void da_l2_discard(const void *p) {
+  asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory");
 }
 __device__ __forceinline__ void da_st_partial(float *p, float v, uint64_t pol) {
   asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;" ::"l"(p), "f"(v), "l"(pol) : "memory");

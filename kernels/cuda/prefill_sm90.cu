@@ -280,8 +280,8 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
       for (int cb = 0; cb < L::CB; cb++) {
         const uint32_t ko = kd + cb * BN * 128 + lane * R * 128, vo = vd + cb * BN * 128 + lane * R * 128;
         if (pi.kv_first) {
-          tma_load_2d(ko, tm, cb * 64, row, bar, l2_evict_first());
-          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, l2_evict_first());
+          tma_load_2d(ko, tm, cb * 64, row, bar, da_l2_evict_first());
+          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, da_l2_evict_first());
         } else {
           tma_load_2d(ko, tm, cb * 64, row, bar);
           tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar);
