@@ -214,17 +214,22 @@ __device__ __forceinline__ float da_merge_o(float wa, float wb, float o, float o
 }
 
 /*
- * L2 policies for a decode step's traffic (NOTES v5.11-v5.13); a cache hint changes no value.
+ * L2 policies for a decode step's traffic (NOTES v5.11, v5.12); a cache hint changes no value.
  * Stores of a split's partial (o_j, lse_j) to the accumulator pools take evict_last: they stay
  * in L2 for the combine. Evicted dirty by the K/V stream, and so written back while it runs,
- * they cost ~1 us a split end a pipe. In launches that stream K/V over the L2, combine.cu
- * drops a row's partials once folded (da_l2_discard). (K/V loads evict_first were tried too,
- * v5.11: with the drop they gain nothing and their branch cost small steps 2 %, v5.13.) The
- * policy is made where it is used (volatile: no register held across the kernels' loops).
+ * they cost ~1 us a split end a pipe. In launches that stream K/V over the L2, prefill_sm90.cu
+ * loads the K/V that one item alone reads evict_first, and combine.cu drops a row's partials
+ * once folded (da_l2_discard). Policies are made where they are used (volatile: no register
+ * held across the kernels' loops).
  */
 __device__ __forceinline__ uint64_t da_l2_evict_last() {
   uint64_t pol;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint64_t da_l2_evict_first() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
   return pol;
 }
 /* The 128-byte L2 line at p (128-byte aligned) is dropped without a write-back: its contents

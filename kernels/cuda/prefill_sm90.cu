@@ -166,6 +166,7 @@ struct prod_item {
   int64_t k_rows;
   const int32_t *pt;
   int32_t ids, ids_next;
+  bool kv_first; /* its K/V loads go first from L2 (prod_load) */
 };
 
 /* Boxes of one tile: chunks of R = min(page_tokens, BN) rows; tpb tiles a page-id batch. */
@@ -186,6 +187,10 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
   pi.kt_begin = ir.kt_begin, pi.kt_end = ir.kt_end, pi.w0_min = ir.w0_min, pi.p_max = ir.p_max;
   pi.k_rows = ((int64_t)ir.at.layer * 2 * a.n_kv_heads + ir.it.kv_head) * a.page_tokens;
   pi.pt = a.pages + ir.at.pt_off;
+  /* Every row of the attention in this item (a decode step, a short chunk): no other item
+   * reads its K/V tiles; in a launch that streams more K/V than the L2 holds they go first
+   * from it, and the partials (numerics.cuh) stay there for the combine. */
+  pi.kv_first = a.kv_stream && ir.at.n_q * (a.n_q_heads / a.n_kv_heads) <= cta<D, BN>::BM;
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
@@ -274,8 +279,13 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
 #pragma unroll
       for (int cb = 0; cb < L::CB; cb++) {
         const uint32_t ko = kd + cb * BN * 128 + lane * R * 128, vo = vd + cb * BN * 128 + lane * R * 128;
-        tma_load_2d(ko, tm, cb * 64, row, bar);
-        tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar);
+        if (pi.kv_first) {
+          tma_load_2d(ko, tm, cb * 64, row, bar, da_l2_evict_first());
+          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, da_l2_evict_first());
+        } else {
+          tma_load_2d(ko, tm, cb * 64, row, bar);
+          tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar);
+        }
       }
     }
     if (!clean) {

@@ -289,8 +289,8 @@ START_TEST(alone_equals_inside_random_batches) {
 END_TEST
 
 /* A decode batch whose K/V exceed the device's L2 runs in the streaming form (cuda_backend.c
- * sets args.kv_stream: the combine drops each row's partials from the L2 once folded); each
- * row alone, well inside the L2, does not. Same bits both ways, and
+ * sets args.kv_stream: K/V loaded evict_first, the combine drops each row's partials from the
+ * L2 once folded); each row alone, well inside the L2, does not. Same bits both ways, and
  * nothing reads a dropped line later: alone, batch, batch, alone again agree. No poisoning
  * here (it refills the pools before each launch), so the pools keep what launches leave. */
 START_TEST(streaming_batch_equals_rows_alone) {
