@@ -100,9 +100,19 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * kv head: 4 pages, lane c < 4 of the producer warp issuing its page's four boxes (K and V,
  * two column blocks), 32 KB on the stage's barrier. pipes independent rings a CTA (producer
  * warp 2w, consumer warp 2w + 1) of nst stages each; stream s = b pipes + w reads kv head
- * s % 8 of pages perm[(s / 8) per 4 + 4 i + c] (mod n_pages) for its tiles i < per. */
+ * s % 8 of pages perm[(s / 8) per 4 + 4 i + c] (mod n_pages) for its tiles i < per.
+ * box3 (tm a 3D map over (column, row, column block)): each lane issues two 4 KB boxes (K, V:
+ * 16 rows x both column blocks) instead of four 2 KB ones; the bytes land [block][row] per
+ * page, not [block][64 rows] per tile (a layout the wgmma descriptors would have to follow):
+ * whether the box size caps the stream. */
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tm, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
-                                                    int n_pages, int per, int nst, uint32_t *sink) {
+                                                    int n_pages, int per, int nst, int box3, uint32_t *sink) {
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
@@ -127,9 +137,14 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
         const size_t k = ((size_t)(s / 8) * per + i) * 4 + lane;
         const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
         const int row = pg * 256 + kvh * 16;
-        for (int cb = 0; cb < 2; cb++) {
-          tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
-          tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
+        if (box3) {
+          tma_load_3d(kd + lane * 2 * 16 * 128, &tm, 0, row, 0, full(st));
+          tma_load_3d(vd + lane * 2 * 16 * 128, &tm, 0, row + 128, 0, full(st));
+        } else {
+          for (int cb = 0; cb < 2; cb++) {
+            tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
+            tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
+          }
         }
       }
     }
@@ -264,12 +279,19 @@ int main() {
     cudaDriverEntryPointQueryResult qr;
     CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
     const int n_pages = (int)(bytes / 65536);
-    CUtensorMap tm;
+    CUtensorMap tm, tm3;
     const cuuint64_t dims[2] = {128, (cuuint64_t)n_pages * 256}, strides[1] = {256};
     const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1};
+    /* The same pool as (64 columns, rows, 2 column blocks): a box of 16 rows takes both blocks. */
+    const cuuint64_t dims3[3] = {64, (cuuint64_t)n_pages * 256, 2}, strides3[2] = {256, 128};
+    const cuuint32_t box3[3] = {64, 16, 2}, estr3[3] = {1, 1, 1};
     if (qr != cudaDriverEntryPointSuccess ||
         ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
                                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
+        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm3, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, p, dims3, strides3, box3,
+                                                estr3, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
       fprintf(stderr, "readbw: no tensor map\n");
@@ -281,17 +303,20 @@ int main() {
     CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
-    for (int shuffled = 0; shuffled < 2; shuffled++) {
-      for (auto v : tv) {
-        const int per = 65536 / (v.grid * v.pipes);
-        const double moved = (double)per * v.grid * v.pipes * TILE_B;
-        const float bt = best_ms(e0, e1, [&] {
-          tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(tm, shuffled ? dperm : nullptr, n_pages,
-                                                                                 per, v.nst, sink);
-        });
-        if (bt < 0) return 1;
-        printf("decode stream (TMA boxes), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
-               shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ", v.nst, bt, moved / bt / 1e9);
+    for (int b3 = 0; b3 < 2; b3++) {
+      for (int shuffled = 0; shuffled < 2; shuffled++) {
+        for (auto v : tv) {
+          const int per = 65536 / (v.grid * v.pipes);
+          const double moved = (double)per * v.grid * v.pipes * TILE_B;
+          const float bt = best_ms(e0, e1, [&] {
+            tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(
+                b3 ? tm3 : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, sink);
+          });
+          if (bt < 0) return 1;
+          printf("decode stream (TMA boxes of %s), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
+                 b3 ? "4 KB" : "2 KB", shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ",
+                 v.nst, bt, moved / bt / 1e9);
+        }
       }
     }
     CHECK(cudaFree(dperm));
