@@ -2,7 +2,8 @@
  * readbw.cu — the device's memory ceilings for the kernel notes (not a test, not in the
  * build): read-only bandwidth from n SMs (one 1024-thread CTA an SM, forced by its shared
  * memory; four 16-byte non-caching loads in flight a thread over 2 GiB) for n = all SMs down
- * to a quarter of them, a plain copy, and reads in chunks the size of KV pages (16 tokens of
+ * to a quarter of them, contiguous slabs a CTA with 2-8 small CTAs an SM and 4 or 8 loads in
+ * flight a thread, a plain copy, and reads in chunks the size of KV pages (16 tokens of
  * one kv head at head_dim 128 is 4 KB; 64 tokens 16 KB) at shuffled places, each CTA a run
  * of chunks as a decode item walks its page table: whether scattered pages, not the kernel,
  * cap the decode read rate; those pages by bulk (TMA) copies into a ring of 32 KB stages; and
@@ -35,6 +36,21 @@ __global__ void __launch_bounds__(1024, 1) read_kernel(const uint4 *p, size_t n,
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i + 3 * stride < n; i += 4 * stride)
     x ^= ld_xor(p + i) ^ ld_xor(p + i + stride) ^ ld_xor(p + i + 2 * stride) ^ ld_xor(p + i + 3 * stride);
   if (x == 0x9e3779b9u) *sink = x; /* keeps the loads; never true for the memset pattern */
+}
+
+/* Slabs: CTA b reads its own contiguous slab [b len, (b + 1) len) of 16-byte words, DEPTH loads
+ * in flight a thread (as a decode CTA reads one kv head's pages), with no shared memory, so as
+ * many CTAs an SM as registers and threads allow: whether more bytes in flight an SM than
+ * read_kernel's 64 KB reach what cuDNN's decode reads on the H200 (4.6 TB/s, NOTES v5.13). */
+template <int DEPTH>
+__global__ void __launch_bounds__(256) slab_kernel(const uint4 *p, size_t len, uint32_t *sink) {
+  const uint4 *s = p + (size_t)blockIdx.x * len;
+  uint32_t x = 0;
+  for (size_t i = threadIdx.x; i + (DEPTH - 1) * 256 < len; i += DEPTH * 256) {
+#pragma unroll
+    for (int k = 0; k < DEPTH; k++) x ^= ld_xor(s + i + k * 256);
+  }
+  if (x == 0x9e3779b9u) *sink = x;
 }
 
 /* CTA b reads chunks [b per, (b + 1) per) of the list, chunk k at perm[k]; a chunk is
@@ -228,6 +244,16 @@ int main() {
     const float best = best_ms(e0, e1, [&] { read_kernel<<<g, 1024, SMEM>>>(p, n, sink); });
     if (best < 0) return 1;
     printf("read, %3d SMs: %.3f ms, %.3f TB/s, %.1f GB/s an SM\n", g, best, bytes / best / 1e9, bytes / best / 1e6 / g);
+  }
+  for (int per_sm : {2, 4, 8}) {
+    const int g = nsm * per_sm;
+    const size_t len = n / (size_t)g;
+    const float b4 = best_ms(e0, e1, [&] { slab_kernel<4><<<g, 256>>>(p, len, sink); });
+    const float b8 = best_ms(e0, e1, [&] { slab_kernel<8><<<g, 256>>>(p, len, sink); });
+    if (b4 < 0 || b8 < 0) return 1;
+    const double moved = (double)len * g * 16;
+    printf("slabs, %d x 256-thread CTAs a SM, 4 / 8 loads in flight a thread: %.3f / %.3f TB/s\n", per_sm,
+           moved / b4 / 1e9, moved / b8 / 1e9);
   }
   const float best = best_ms(e0, e1, [&] { copy_kernel<<<nsm * 8, 256>>>(p, q, n / 2); });
   if (best < 0) return 1;
