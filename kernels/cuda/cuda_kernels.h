@@ -89,10 +89,10 @@ typedef struct da_cu_args {
   int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
   int tile_tokens;    /* T: DA_CU_TILE, or DA_CU_TILE_MAX where head_dim <= 128 */
   int combine_splits; /* the most splits a partial row has (combine.cu spreads long rows' CTAs) */
-  int kv_stream;      /* the launch's K/V exceed the L2: prefill_sm90.cu loads the K/V that one
-                         item alone reads (a decode row's) as evict_first, so they leave the L2
-                         to the partials and to K/V that other row blocks re-read; combine.cu
-                         drops a row's o_j from the L2 once folded */
+  int kv_stream;      /* the launch's K/V exceed the L2: prefill_sm90.cu loads a decode-only
+                         launch's K/V (no other item reads them) as evict_first, so they leave
+                         the L2 to the partials; combine.cu drops a row's o_j from the L2 once
+                         folded */
   /* prefill_sm90.cu's dynamic dealing: {next ticket, pipes done}, 0 between launches (the
    * last pipe out resets them); NULL: items round-robin. The launcher ignores it where every
    * pipe has one item or fewer. */

@@ -166,7 +166,6 @@ struct prod_item {
   int64_t k_rows;
   const int32_t *pt;
   int32_t ids, ids_next;
-  bool kv_first; /* its K/V loads go first from L2 (prod_load) */
 };
 
 /* Boxes of one tile: chunks of R = min(page_tokens, BN) rows; tpb tiles a page-id batch. */
@@ -187,10 +186,6 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
   pi.kt_begin = ir.kt_begin, pi.kt_end = ir.kt_end, pi.w0_min = ir.w0_min, pi.p_max = ir.p_max;
   pi.k_rows = ((int64_t)ir.at.layer * 2 * a.n_kv_heads + ir.it.kv_head) * a.page_tokens;
   pi.pt = a.pages + ir.at.pt_off;
-  /* Every row of the attention in this item (a decode step, a short chunk): no other item
-   * reads its K/V tiles; in a launch that streams more K/V than the L2 holds they go first
-   * from it, and the partials (numerics.cuh) stay there for the combine. */
-  pi.kv_first = a.kv_stream && ir.at.n_q * (a.n_q_heads / a.n_kv_heads) <= cta<D, BN>::BM;
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
@@ -223,9 +218,9 @@ __device__ __forceinline__ int next_item(const da_cu_args &a, int idx, int n, in
  * barrier, so every consumer warp reads it once it has the tile (an item with no tile sends
  * it on a null tile, an arrival without data). The next item (next >= 0) is loaded into
  * *nxt once the ring is full (after the item's NST-th tile, or its last), its descriptor
- * put into L2 at the start.
+ * put into L2 at the start. KVF: every load is evict_first (see prefill_kernel).
  */
-template <int D, int BN>
+template <int D, int BN, bool KVF>
 __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi, int next, prod_item &nxt,
                                         const CUtensorMap *tm, uint32_t base, ring_pos &rp, uint32_t bar_aux,
                                         uint32_t &aux_ph) {
@@ -279,7 +274,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
 #pragma unroll
       for (int cb = 0; cb < L::CB; cb++) {
         const uint32_t ko = kd + cb * BN * 128 + lane * R * 128, vo = vd + cb * BN * 128 + lane * R * 128;
-        if (pi.kv_first) {
+        if constexpr (KVF) {
           tma_load_2d(ko, tm, cb * 64, row, bar, da_l2_evict_first());
           tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, da_l2_evict_first());
         } else {
@@ -771,8 +766,13 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
  * stages [w nst / pipes, (w + 1) nst / pipes), taking items v, v + V, ... with v = b pipes + w
  * and V = gridDim.x pipes; consumer warpgroups past the pipes stay idle. A decode tile's
  * update is one warpgroup's latency chain, so a CTA's K/V stream runs as fast as that chain
- * allows (~40 GB/s an SM on an H200); pipes run two such chains an SM (NOTES v5.3). */
-template <int D, int BN, bool BF16, bool PIPE, bool CAP>
+ * allows (~40 GB/s an SM on an H200); pipes run two such chains an SM (NOTES v5.3).
+ * KVF (a decode-only launch whose K/V exceed the L2, da_cu_args.kv_stream): no other item
+ * reads an item's K/V tiles, so they are loaded evict_first and the partials (numerics.cuh)
+ * stay in the L2 for the combine. A template flag, not a branch: the untaken branch in the
+ * producer cost short decode steps 2 % (NOTES v5.13); built for head_dim 128, T 64,
+ * pipelined, no softcap (the decode shapes the benchmarks measure), the rest load as usual. */
+template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF>
 __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst) {
   using L = layout<D, BN>;
@@ -819,7 +819,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       for (int i = i0 < n ? i0 : -1; i >= 0;) {
         const int next = next_item(a, i, n, nv, threadIdx.x & 31);
         prod_item nxt = cur;
-        produce<D, BN>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
+        produce<D, BN, KVF>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
         cur = nxt;
         i = next;
       }
@@ -866,7 +866,7 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, int BN, bool BF16, bool PIPE, bool CAP>
+template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF = false>
 cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes, cudaStream_t stream) {
   using L = layout<D, BN>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
@@ -890,7 +890,7 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BN, BF16, PIPE, CAP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              L::bytes(L::NST_MAX));
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
@@ -900,19 +900,24 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
    * K/V load runs while that kernel finishes. */
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t lc = da_pdl_config((unsigned)grid, cta<D, BN>::NTHREADS, L::bytes(nst), stream, &attr, true);
-  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP>, *a, tm, n, pingpong, pipes, nst);
+  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, *a, tm, n, pingpong, pipes, nst);
 }
 
 template <int BN, bool CAP>
-int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, cudaStream_t stream) {
+int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, bool kvf, cudaStream_t stream) {
+  constexpr bool KVF_BUILT = BN == 64 && !CAP; /* see prefill_kernel */
   switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
   case 64 * 4 + 3: return (int)launch<64, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
   case 64 * 4 + 2: return (int)launch<64, BN, true, false, CAP>(a, n, grid, 0, pipes, stream);
   case 64 * 4 + 1: return (int)launch<64, BN, false, true, CAP>(a, n, grid, pp, pipes, stream);
   case 64 * 4: return (int)launch<64, BN, false, false, CAP>(a, n, grid, 0, pipes, stream);
-  case 128 * 4 + 3: return (int)launch<128, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4 + 3:
+    if (KVF_BUILT && kvf) return (int)launch<128, BN, true, true, CAP, KVF_BUILT>(a, n, grid, pp, pipes, stream);
+    return (int)launch<128, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
   case 128 * 4 + 2: return (int)launch<128, BN, true, false, CAP>(a, n, grid, 0, pipes, stream);
-  case 128 * 4 + 1: return (int)launch<128, BN, false, true, CAP>(a, n, grid, pp, pipes, stream);
+  case 128 * 4 + 1:
+    if (KVF_BUILT && kvf) return (int)launch<128, BN, false, true, CAP, KVF_BUILT>(a, n, grid, pp, pipes, stream);
+    return (int)launch<128, BN, false, true, CAP>(a, n, grid, pp, pipes, stream);
   case 128 * 4: return (int)launch<128, BN, false, false, CAP>(a, n, grid, 0, pipes, stream);
   }
   return (int)cudaErrorInvalidValue;
@@ -940,11 +945,12 @@ extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream
   da_cu_args d = *a;
   if (per_item || n <= grid * pipes) d.ticket = nullptr; /* nothing left to deal */
   a = &d;
+  const bool kvf = a->kv_stream && (variant & DA_CU_SM90_PIPES); /* decode only: prefill_kernel's KVF */
   switch (a->tile_tokens * 2 + (a->softcap ? 1 : 0)) {
-  case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, stream);
-  case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, stream);
-  case 128 * 2 + 1: return dispatch<128, true>(a, n, grid, pipe, pp, pipes, stream);
-  case 128 * 2: return dispatch<128, false>(a, n, grid, pipe, pp, pipes, stream);
+  case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, kvf, stream);
+  case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, kvf, stream);
+  case 128 * 2 + 1: return dispatch<128, true>(a, n, grid, pipe, pp, pipes, kvf, stream);
+  case 128 * 2: return dispatch<128, false>(a, n, grid, pipe, pp, pipes, kvf, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
