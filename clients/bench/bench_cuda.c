@@ -16,6 +16,7 @@
  * CUDA graph (timing "graph", as the peers are timed) or, where capture fails, launched back
  * to back ("eager"); attn_ms the attention alone, the same way; combine_ms the difference:
  * what the combine adds to a step; lat_ms one step from an idle stream, host launch included.
+ * --split-mode inrow|partial forces the decode cases' split form (default: the planner's).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,6 +129,7 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 
 int da_bench_cuda(int argc, char **argv) {
   int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0, split = 0;
+  da_split_mode mode = DA_SPLIT_AUTO;
   shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--quick") == 0) quick = 1;
@@ -153,6 +155,17 @@ int da_bench_cuda(int argc, char **argv) {
       split = atoi(argv[++i]);
       if (split < 64 || split % 64 != 0) {
         fprintf(stderr, "bench cuda: --split wants a multiple of 64 (and of --tile)\n");
+        return 2;
+      }
+    }
+    else if (strcmp(argv[i], "--split-mode") == 0 && i + 1 < argc) {
+      /* The decode cases' in-row / partial choice (the planner's by default). */
+      const char *m = argv[++i];
+      if (strcmp(m, "auto") == 0) mode = DA_SPLIT_AUTO;
+      else if (strcmp(m, "inrow") == 0) mode = DA_SPLIT_INROW;
+      else if (strcmp(m, "partial") == 0) mode = DA_SPLIT_PARTIAL;
+      else {
+        fprintf(stderr, "bench cuda: --split-mode wants auto, inrow or partial\n");
         return 2;
       }
     }
@@ -193,11 +206,11 @@ int da_bench_cuda(int argc, char **argv) {
         shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
-        rv = time_case(ctx, &s, 1, split, DA_SPLIT_AUTO, "fixedS", perm, 20, &n_sm);
+        rv = time_case(ctx, &s, 1, split, mode, "fixedS", perm, 20, &n_sm);
         if (rv != 0) goto out;
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
         if (one_b > 0) continue;
-        rv = time_case(ctx, &s, 1, So, DA_SPLIT_AUTO, "occupancyS", perm, 20, NULL);
+        rv = time_case(ctx, &s, 1, So, mode, "occupancyS", perm, 20, NULL);
         if (rv != 0) goto out;
       }
     }
