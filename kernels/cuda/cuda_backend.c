@@ -53,6 +53,7 @@ typedef struct cuda_ctx {
   int launch_pipes; /* the staged batch runs as pipes (plan.pipes > 1) */
   int partial_per;  /* DA_CUDA_PARTIAL_PER=k (experiments): k splits per partial item; 0 the planner's */
   int deal;         /* prefill_sm90.cu's persistent grid: DEAL_* (DA_CUDA_SM90_DEAL) */
+  int l2_promo;     /* args.l2_promo (l2_promo_env) */
   int *ticket;      /* its ticket counter (device, 2 ints, 0 between launches) */
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
@@ -279,6 +280,18 @@ static int deal_env(int *deal, char *err, size_t errlen) {
   return env_pick("DA_CUDA_SM90_DEAL", names, sizeof(names) / sizeof(names[0]), DEAL_TICKETS, deal, err, errlen);
 }
 
+/* DA_CUDA_L2_PROMO, the L2 promotion of prefill_sm90.cu's K/V tensor map: none or 256 (bytes).
+ * A box row is one 128-byte line of a 256-byte K or V row, so 256 fetches the row's other
+ * half with it. Same-run A/Bs (NOTES.md v5.14): on an H100 (HBM3, 80 GB) 256 is 1.7-3 %
+ * faster at decode B >= 8 and B 1 L 64k, on an H200 (HBM3e, 141 GB) none is 2.1-2.7 % faster
+ * there; prefill is the same either way on both. Default by card: none where the device has
+ * more than 100 GiB (Hopper's HBM3e parts), else 256. The bits never depend on it. */
+static int l2_promo_env(const struct cudaDeviceProp *prop, int *promo, char *err, size_t errlen) {
+  static const env_choice names[] = {{"none", 0}, {"256", 256}};
+  const int dflt = prop->totalGlobalMem > ((size_t)100 << 30) ? 0 : 256;
+  return env_pick("DA_CUDA_L2_PROMO", names, sizeof(names) / sizeof(names[0]), dflt, promo, err, errlen);
+}
+
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
@@ -348,6 +361,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = decode_path(&dec, err, errlen);
     if (rv == 0) rv = partial_per_env(&c->partial_per, err, errlen);
     if (rv == 0) rv = deal_env(&c->deal, err, errlen);
+    if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
@@ -809,6 +823,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   g->kv_stream = pl->kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
+  g->l2_promo = c->l2_promo;
   c->launch_pipes = pl->pipes > 1;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;
