@@ -305,7 +305,7 @@ int main() {
     cudaDriverEntryPointQueryResult qr;
     CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
     const int n_pages = (int)(bytes / 65536);
-    CUtensorMap tm, tm3;
+    CUtensorMap tm, tmn, tm3;
     const cuuint64_t dims[2] = {128, (cuuint64_t)n_pages * 256}, strides[1] = {256};
     const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1};
     /* The same pool as (64 columns, rows, 2 column blocks): a box of 16 rows takes both blocks. */
@@ -315,6 +315,10 @@ int main() {
         ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
                                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
+        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tmn, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
+                                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                                CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
         ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm3, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, p, dims3, strides3, box3,
                                                 estr3, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -329,18 +333,21 @@ int main() {
     CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
-    for (int b3 = 0; b3 < 2; b3++) {
+    /* Forms: 2 KB boxes with 256-byte L2 promotion, the same with none (the kernel's choice
+     * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256. */
+    for (int form = 0; form < 3; form++) {
+      const int b3 = form == 2;
       for (int shuffled = 0; shuffled < 2; shuffled++) {
         for (auto v : tv) {
           const int per = 65536 / (v.grid * v.pipes);
           const double moved = (double)per * v.grid * v.pipes * TILE_B;
           const float bt = best_ms(e0, e1, [&] {
             tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(
-                b3 ? tm3 : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, sink);
+                b3 ? tm3 : form == 1 ? tmn : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, sink);
           });
           if (bt < 0) return 1;
-          printf("decode stream (TMA boxes of %s), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
-                 b3 ? "4 KB" : "2 KB", shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ",
+          printf("decode stream (TMA boxes of %s, L2 promotion %s), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
+                 b3 ? "4 KB" : "2 KB", form == 1 ? "none" : "256", shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ",
                  v.nst, bt, moved / bt / 1e9);
         }
       }
