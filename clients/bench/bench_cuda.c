@@ -17,6 +17,10 @@
  * to back ("eager"); attn_ms the attention alone, the same way; combine_ms the difference:
  * what the combine adds to a step; lat_ms one step from an idle stream, host launch included.
  * --split-mode inrow|partial forces the decode cases' split form (default: the planner's).
+ * Decode K/V pages: shuffled over the pool (default), --contiguous (each sequence's pages in
+ * order, one run after another) or --interleaved (the B sequences' pages dealt in turn,
+ * sequence b's i-th page is page i B + b: what B sequences decoding together take from a
+ * fresh pool's free stack).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,7 +132,7 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 }
 
 int da_bench_cuda(int argc, char **argv) {
-  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0, split = 0;
+  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0, interleaved = 0, split = 0;
   da_split_mode mode = DA_SPLIT_AUTO;
   shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
   for (int i = 1; i < argc; i++) {
@@ -136,6 +140,7 @@ int da_bench_cuda(int argc, char **argv) {
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
     else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
     else if (strcmp(argv[i], "--contiguous") == 0) contiguous = 1;
+    else if (strcmp(argv[i], "--interleaved") == 0) interleaved = 1;
     else if (strcmp(argv[i], "--page") == 0 && i + 1 < argc) {
       page = atoi(argv[++i]);
       if (page < 8 || page > 256 || (page & (page - 1))) {
@@ -206,6 +211,11 @@ int da_bench_cuda(int argc, char **argv) {
         shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
+        if (interleaved) { /* sequence b's page i is page i B + b */
+          const int64_t np = pages_of(s.L);
+          for (int64_t b = 0; b < s.B; b++)
+            for (int64_t i = 0; i < np; i++) perm[b * np + i] = (int32_t)(i * s.B + b);
+        }
         rv = time_case(ctx, &s, 1, split, mode, "fixedS", perm, 20, &n_sm);
         if (rv != 0) goto out;
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
