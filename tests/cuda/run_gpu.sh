@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|trace] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|trace|pages] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
@@ -10,6 +10,9 @@
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream (tests/cuda/readbw.cu); chain: cycles of one
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu).
+# pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
+# shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
+# each, then cuDNN's (sdpa_peer.py, contiguous K/V); a table of ms and x cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
 # default forms, and prints each one's timeline (tests/cuda/trace_timeline.py); TRACE_OLD=dir
@@ -95,6 +98,28 @@ if [ "$what" != tests ]; then
     $NCU --kernel-name regex:'cudnn|fmha|sdpa|flash' --launch-skip 5 --launch-count 1 $sec \
       python3 clients/bench/sdpa_peer.py --one-decode "${PB:-32}" "${PL:-16384}" --peer cudnn > "$OUT/ncu-cudnn.txt" 2>&1
     python3 tests/cuda/ncu_side.py "$OUT/ncu-ours.txt" "$OUT/ncu-cudnn.txt"
+    exit 0
+  fi
+  if [ "$what" = pages ]; then
+    orders=("" --contiguous --interleaved)
+    : > "$OUT/pages.md"
+    for sh in ${PAGE_SHAPES:-8:16384 8:65536 32:16384 32:65536}; do
+      b=${sh%:*} l=${sh#*:} row="| $b, $l |" best=""
+      for k in 0 1 2; do
+        t1=$($BENCH --one-decode "$b" "$l" ${orders[k]} 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+        t2=$($BENCH --one-decode "$b" "$l" ${orders[k]} 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+        row="$row ${t1:--} / ${t2:--} |"
+        best="$best $(printf "%s\n%s\n" "${t1:-nan}" "${t2:-nan}" | sort -g | head -1)"
+      done
+      c=$(python3 clients/bench/sdpa_peer.py --one-decode "$b" "$l" --peer cudnn 2>&1 >/dev/null |
+        grep "^# decode" | grep -Eo "[0-9.]+ ms" | cut -d' ' -f1)
+      x=$(python3 -c "import sys; c = float(sys.argv[1]); print(' / '.join(f'{c / float(v):.3f}' for v in sys.argv[2:]))" \
+        "${c:-nan}" $best)
+      echo "$row ${c:--} | $x |" >> "$OUT/pages.md"
+    done
+    echo "| B, L | shuffled | in order | interleaved | cuDNN | x cuDNN (shuffled / in order / interleaved, best round) |"
+    echo "|---|---|---|---|---|---|"
+    cat "$OUT/pages.md"
     exit 0
   fi
   if [ "$what" = profile-prefill ]; then
