@@ -468,7 +468,8 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_SM90_DECODE", "yes", "expected 0, 1, pipes, pipes-serial or pipes-inrow"},
              {"DA_CUDA_PARTIAL_PER", "65", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"},
-             {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"}};
+             {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"},
+             {"DA_CUDA_L2_PROMO", "128", "expected none or 256"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -583,16 +584,19 @@ START_TEST(digests_pinned_for_this_kernel_version) {
 }
 END_TEST
 
-/* How prefill_sm90.cu's grid gets its items, and whether decode batches with partial rows
- * run as pipes, never changes a bit: the pinned workload dealt round-robin, with tickets for
- * in-row batches only, and with pipes for in-row decode batches only gives the default's
+/* How prefill_sm90.cu's grid gets its items, whether decode batches with partial rows run as
+ * pipes, and the L2 promotion of its K/V loads never change a bit: the pinned workload dealt
+ * round-robin, with tickets for in-row batches only, with pipes for in-row decode batches
+ * only, and with either promotion (one of them is the card's default) gives the default's
  * digests (every launch by ticket, every decode batch as pipes). */
 START_TEST(every_deal_gives_the_same_digests) {
   static const struct {
     const char *var, *val;
   } forms[] = {{"DA_CUDA_SM90_DEAL", "round-robin"},
                {"DA_CUDA_SM90_DEAL", "tickets-inrow"},
-               {"DA_CUDA_SM90_DECODE", "pipes-inrow"}};
+               {"DA_CUDA_SM90_DECODE", "pipes-inrow"},
+               {"DA_CUDA_L2_PROMO", "none"},
+               {"DA_CUDA_L2_PROMO", "256"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
   for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
