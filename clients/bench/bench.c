@@ -165,6 +165,14 @@ static int parse_int(const char *s, int *out) {
   return 0;
 }
 
+int bench_parse_split_mode(const char *s, da_split_mode *out) {
+  if (strcmp(s, "auto") == 0) *out = DA_SPLIT_AUTO;
+  else if (strcmp(s, "inrow") == 0) *out = DA_SPLIT_INROW;
+  else if (strcmp(s, "partial") == 0) *out = DA_SPLIT_PARTIAL;
+  else return -1;
+  return 0;
+}
+
 static int parse_shape(const char *s, bench_shape *out) {
   char kind[16];
   int b, l;
@@ -242,10 +250,7 @@ int main(int argc, char **argv) {
     } else if (strcmp(a, "--threads") == 0) {
       bad = parse_int(val, &o.n_threads);
     } else if (strcmp(a, "--split-mode") == 0) {
-      if (strcmp(val, "auto") == 0) o.split_mode = DA_SPLIT_AUTO;
-      else if (strcmp(val, "inrow") == 0) o.split_mode = DA_SPLIT_INROW;
-      else if (strcmp(val, "partial") == 0) o.split_mode = DA_SPLIT_PARTIAL;
-      else bad = 1;
+      bad = bench_parse_split_mode(val, &o.split_mode);
     } else if (strcmp(a, "--shape") == 0) {
       bad = n_user == 64 || parse_shape(val, &user[n_user++]);
     } else if (strcmp(a, "--hq") == 0) {

@@ -56,6 +56,9 @@ int bench_backend_path(const bench_opts *o, const bench_shape *s, bench_result *
 int da_bench_cuda(int argc, char **argv);
 #endif
 
+/* --split-mode's value (auto, inrow or partial) into *out; -1 for anything else. */
+int bench_parse_split_mode(const char *s, da_split_mode *out);
+
 /* Fills the derived rates of r from its ms and the shape. */
 void bench_rates(const bench_opts *o, const bench_shape *s, bench_result *r);
 

@@ -132,15 +132,16 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 }
 
 int da_bench_cuda(int argc, char **argv) {
-  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, contiguous = 0, interleaved = 0, split = 0;
+  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, split = 0;
+  enum { PAGES_SHUFFLED, PAGES_CONTIGUOUS, PAGES_INTERLEAVED } order = PAGES_SHUFFLED; /* the last flag wins */
   da_split_mode mode = DA_SPLIT_AUTO;
   shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--quick") == 0) quick = 1;
     else if (strcmp(argv[i], "--decode-only") == 0) do_prefill = 0;
     else if (strcmp(argv[i], "--prefill-only") == 0) do_decode = 0;
-    else if (strcmp(argv[i], "--contiguous") == 0) contiguous = 1;
-    else if (strcmp(argv[i], "--interleaved") == 0) interleaved = 1;
+    else if (strcmp(argv[i], "--contiguous") == 0) order = PAGES_CONTIGUOUS;
+    else if (strcmp(argv[i], "--interleaved") == 0) order = PAGES_INTERLEAVED;
     else if (strcmp(argv[i], "--page") == 0 && i + 1 < argc) {
       page = atoi(argv[++i]);
       if (page < 8 || page > 256 || (page & (page - 1))) {
@@ -165,11 +166,7 @@ int da_bench_cuda(int argc, char **argv) {
     }
     else if (strcmp(argv[i], "--split-mode") == 0 && i + 1 < argc) {
       /* The decode cases' in-row / partial choice (the planner's by default). */
-      const char *m = argv[++i];
-      if (strcmp(m, "auto") == 0) mode = DA_SPLIT_AUTO;
-      else if (strcmp(m, "inrow") == 0) mode = DA_SPLIT_INROW;
-      else if (strcmp(m, "partial") == 0) mode = DA_SPLIT_PARTIAL;
-      else {
+      if (bench_parse_split_mode(argv[++i], &mode) != 0) {
         fprintf(stderr, "bench cuda: --split-mode wants auto, inrow or partial\n");
         return 2;
       }
@@ -202,8 +199,8 @@ int da_bench_cuda(int argc, char **argv) {
     }
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
     if (rv != 0) return rv;
-    int32_t *perm = shuffled(pages_of(max_tokens), contiguous ? 0 : 1);
-    if (contiguous)
+    int32_t *perm = shuffled(pages_of(max_tokens), order == PAGES_CONTIGUOUS ? 0 : 1);
+    if (order == PAGES_CONTIGUOUS)
       for (int64_t i = 0; i < pages_of(max_tokens); i++) perm[i] = (int32_t)i;
     const size_t nb = one_b > 0 ? 1 : sizeof(Bs) / sizeof(Bs[0]), nl = one_b > 0 ? 1 : sizeof(Ls) / sizeof(Ls[0]);
     for (size_t bi = 0; bi < nb; bi++) {
@@ -211,7 +208,7 @@ int da_bench_cuda(int argc, char **argv) {
         shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
-        if (interleaved) { /* sequence b's page i is page i B + b */
+        if (order == PAGES_INTERLEAVED) { /* sequence b's page i is page i B + b */
           const int64_t np = pages_of(s.L);
           for (int64_t b = 0; b < s.B; b++)
             for (int64_t i = 0; i < np; i++) perm[b * np + i] = (int32_t)(i * s.B + b);

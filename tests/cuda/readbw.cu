@@ -311,19 +311,16 @@ int main() {
     /* The same pool as (64 columns, rows, 2 column blocks): a box of 16 rows takes both blocks. */
     const cuuint64_t dims3[3] = {64, (cuuint64_t)n_pages * 256, 2}, strides3[2] = {256, 128};
     const cuuint32_t box3[3] = {64, 16, 2}, estr3[3] = {1, 1, 1};
+    auto encode = [&](CUtensorMap *m, int rank, const cuuint64_t *d, const cuuint64_t *st, const cuuint32_t *bx,
+                      const cuuint32_t *es, CUtensorMapL2promotion promo) {
+      return ((PFN_cuTensorMapEncodeTiled_v12000)fn)(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, p, d, st, bx, es,
+                                                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promo,
+                                                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    };
     if (qr != cudaDriverEntryPointSuccess ||
-        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
-                                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
-        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tmn, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p, dims, strides, box, estr,
-                                                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                                CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS ||
-        ((PFN_cuTensorMapEncodeTiled_v12000)fn)(&tm3, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, p, dims3, strides3, box3,
-                                                estr3, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        !encode(&tm, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_L2_256B) ||
+        !encode(&tmn, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE) ||
+        !encode(&tm3, 3, dims3, strides3, box3, estr3, CU_TENSOR_MAP_L2_PROMOTION_L2_256B)) {
       fprintf(stderr, "readbw: no tensor map\n");
       return 1;
     }
