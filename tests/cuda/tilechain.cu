@@ -12,7 +12,9 @@
  *   (independent chains), and kernels of their own time S over 128 keys as m64n128k16 (what
  *   a 128-key contract tile would issue) with 1-3 warpgroups, and a 128-key tile's whole
  *   chain with 1-2. Last, one warpgroup's chain in the kernel's pipelined form against S
- *   issued two tiles ahead (chain_lookahead; NOTES.md v5.7).
+ *   issued two tiles ahead (chain_lookahead; NOTES.md v5.7). First (chain_ksplit, v5.15): S
+ *   as one 8-step chain against two independent 4-step chains over the head_dim halves, alone,
+ *   in the serial tile and in the pipelined tile, one and two warpgroups.
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -402,12 +404,157 @@ static int probe128(void (*k)(int, long long *, float *), int max_wgs, const cha
   return 0;
 }
 
+/* S over head_dim 128 as two independent 4-step chains (columns 0-63 into d, 64-127 into e,
+ * issued interleaved in one asm statement), summed after the wait: the dependent k-steps a
+ * tile halve. A different sum order from the contract's one chain (new bits): timing only. */
+__device__ __forceinline__ void s_chain44(float (&d)[8][4], float (&e)[8][4], const uint64_t (&da)[8], const uint64_t (&db)[8]) {
+  asm volatile(
+      "{\n.reg .pred pz, po;\nsetp.ne.b32 pz, 0, 0;\nsetp.eq.b32 po, 0, 0;\n"
+      "wgmma.fence.sync.aligned;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %64, %72, pz, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %68, %76, pz, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %65, %73, po, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %69, %77, po, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %66, %74, po, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %70, %78, po, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %67, %75, po, 1, 1, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %71, %79, po, 1, 1, 0, 0;\n"
+      "wgmma.commit_group.sync.aligned;\n"
+      "}\n"
+      : "=f"(d[0][0]), "=f"(d[0][1]), "=f"(d[0][2]), "=f"(d[0][3]), "=f"(d[1][0]), "=f"(d[1][1]), "=f"(d[1][2]), "=f"(d[1][3]), "=f"(d[2][0]), "=f"(d[2][1]), "=f"(d[2][2]), "=f"(d[2][3]), "=f"(d[3][0]), "=f"(d[3][1]), "=f"(d[3][2]), "=f"(d[3][3]), "=f"(d[4][0]), "=f"(d[4][1]), "=f"(d[4][2]), "=f"(d[4][3]), "=f"(d[5][0]), "=f"(d[5][1]), "=f"(d[5][2]), "=f"(d[5][3]), "=f"(d[6][0]), "=f"(d[6][1]), "=f"(d[6][2]), "=f"(d[6][3]), "=f"(d[7][0]), "=f"(d[7][1]), "=f"(d[7][2]), "=f"(d[7][3]), "=f"(e[0][0]), "=f"(e[0][1]), "=f"(e[0][2]), "=f"(e[0][3]), "=f"(e[1][0]), "=f"(e[1][1]), "=f"(e[1][2]), "=f"(e[1][3]), "=f"(e[2][0]), "=f"(e[2][1]), "=f"(e[2][2]), "=f"(e[2][3]), "=f"(e[3][0]), "=f"(e[3][1]), "=f"(e[3][2]), "=f"(e[3][3]), "=f"(e[4][0]), "=f"(e[4][1]), "=f"(e[4][2]), "=f"(e[4][3]), "=f"(e[5][0]), "=f"(e[5][1]), "=f"(e[5][2]), "=f"(e[5][3]), "=f"(e[6][0]), "=f"(e[6][1]), "=f"(e[6][2]), "=f"(e[6][3]), "=f"(e[7][0]), "=f"(e[7][1]), "=f"(e[7][2]), "=f"(e[7][3])
+      : "l"(da[0]), "l"(da[1]), "l"(da[2]), "l"(da[3]), "l"(da[4]), "l"(da[5]), "l"(da[6]), "l"(da[7]), "l"(db[0]), "l"(db[1]), "l"(db[2]), "l"(db[3]), "l"(db[4]), "l"(db[5]), "l"(db[6]), "l"(db[7])
+      : "memory");
+}
+
+
+/* One warpgroup's tile chain (each of 1-2 warpgroups its own), S as one 8-step chain (SPLIT
+ * false) or two 4-step chains (true). FORM 0: S alone; 1: serial (S, update, acc *= alpha,
+ * P V, each waited for); 2: the kernel's pipelined form (slot t issues S(t) and P V(t - 1),
+ * the update of t under that P V). Cycles a tile. */
+template <bool SPLIT, int FORM>
+__global__ void __launch_bounds__(256, 1) chain_ksplit(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  fence_async_smem();
+  __syncthreads();
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {}, s0[8][4], s2[8][4], alpha[2];
+  uint32_t p[4][4];
+  uint64_t da[8], db[8], dv[4];
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+  }
+#pragma unroll
+  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+  auto issue_s = [&]() {
+    if constexpr (SPLIT) s_chain44(s0, s2, da, db);
+    else wg_chain_s_ss8_z<true>(s0, da, db);
+  };
+  auto sum_s = [&]() { /* after the wait */
+    reg_fence(s0);
+    if constexpr (SPLIT) {
+      reg_fence(s2);
+#pragma unroll
+      for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) s0[n][e] = __fadd_rn(s0[n][e], s2[n][e]);
+    }
+  };
+  auto rescale = [&]() {
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+  };
+  auto pack = [&]() {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {
+      p[kc][0] = da_pack2<true>(s0[2 * kc][0], s0[2 * kc][1]);
+      p[kc][1] = da_pack2<true>(s0[2 * kc][2], s0[2 * kc][3]);
+      p[kc][2] = da_pack2<true>(s0[2 * kc + 1][0], s0[2 * kc + 1][1]);
+      p[kc][3] = da_pack2<true>(s0[2 * kc + 1][2], s0[2 * kc + 1][3]);
+    }
+  };
+  const long long t0 = clock64();
+  if constexpr (FORM == 0) {
+    float z = 0.0f;
+    for (int t = 0; t < tiles; t++) {
+      issue_s();
+      wg_wait<0>();
+      sum_s();
+      z += s0[t & 7][t & 3];
+    }
+    acc[0][0] = z;
+  } else if constexpr (FORM == 1) {
+    for (int t = 0; t < tiles; t++) {
+      issue_s();
+      wg_wait<0>();
+      sum_s();
+      da_tile_update<8>(st, s0, 0.125f, alpha);
+      rescale();
+      pack();
+      reg_fence(acc);
+      wg_chain_pv_n128<true>(acc, p, dv);
+      wg_wait<0>();
+      reg_fence(acc);
+    }
+  } else {
+    issue_s();
+    wg_wait<0>();
+    sum_s();
+    da_tile_update<8>(st, s0, 0.125f, alpha);
+    pack();
+    for (int t = 1; t < tiles; t++) {
+      issue_s();
+      rescale();
+      wg_chain_pv_n128<true>(acc, p, dv);
+      wg_wait<1>();
+      sum_s();
+      da_tile_update<8>(st, s0, 0.125f, alpha);
+      wg_wait<0>();
+      reg_fence(acc);
+      pack();
+    }
+    rescale();
+    wg_chain_pv_n128<true>(acc, p, dv);
+  }
+  probe_end(t0, out, sink, st, acc);
+}
+
+/* chain_ksplit's forms, one chain against two, 1-2 warpgroups side by side; 1 after an error. */
+static int probe_ksplit(long long *out, float *sink) {
+  static const char *forms[] = {"S alone", "serial tile", "pipelined tile"};
+  void (*ks[3][2])(int, long long *, float *) = {{chain_ksplit<false, 0>, chain_ksplit<true, 0>},
+                                                 {chain_ksplit<false, 1>, chain_ksplit<true, 1>},
+                                                 {chain_ksplit<false, 2>, chain_ksplit<true, 2>}};
+  for (int f = 0; f < 3; f++)
+    for (int wgs = 1; wgs <= 2; wgs++) {
+      long long c[2];
+      for (int s = 0; s < 2; s++) {
+        cudaFuncSetAttribute(reinterpret_cast<const void *>(ks[f][s]), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+        ks[f][s]<<<1, 128 * wgs, 70 * 1024>>>(256, out, sink);
+        c[s] = cycles(out);
+        if (c[s] < 0) return 1;
+      }
+      printf("ksplit %s, %d warpgroup(s): one 8-step S chain %.0f, two 4-step chains %.0f cycles a tile of each\n",
+             forms[f], wgs, c[0] / 256.0, c[1] / 256.0);
+    }
+  return 0;
+}
+
 int main() {
   long long *out;
   float *sink;
   cudaMalloc(&out, 8);
   cudaMalloc(&sink, 128 * 4);
   cudaFuncSetAttribute(chain, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  if (probe_ksplit(out, sink)) return 1;
   static const char *names[] = {"A (64-row tiles)", "B (keys on M)", "A, S only", "A, S + tile update", "A, P V only",
                                 "A + a partial write and a released flag every 8 tiles",
                                 "A + the partial write alone every 8 tiles"};
