@@ -14,7 +14,8 @@
  *   chain with 1-2. Last, one warpgroup's chain in the kernel's pipelined form against S
  *   issued two tiles ahead (chain_lookahead; NOTES.md v5.7). First (chain_ksplit, v5.15): S
  *   as one 8-step chain against two independent 4-step chains over the head_dim halves, alone,
- *   in the serial tile and in the pipelined tile, one and two warpgroups.
+ *   in the serial tile and in the pipelined tile, one and two warpgroups; and (chain_oneahead)
+ *   S issued one tile ahead so that P V(t) runs under softmax(t + 1).
  * The numbers B computes are not the contract's (its sums are not da_row_tree's); the
  * instruction mix and the barriers are what such a form would run. NOTES.md v5.5 has the
  * results: the chain is the latency of the dependent wgmma k-steps, not their MMA work. */
@@ -380,6 +381,88 @@ __global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *
   probe_end(t0, out, sink, st, acc);
 }
 
+/* One warpgroup's chain with S one tile ahead (v5.15): tile t waits S(t), issues S(t + 1)
+ * into the other buffer, runs softmax(t) under it, waits P V(t - 1), scales acc and issues
+ * P V(t), so P V(t) runs under the next tile's softmax (commit order S(t), P V(t - 1),
+ * S(t + 1), P V(t): every wait is wait_group 1). BLOCK 8: straight-line blocks of 8 tiles
+ * (a split at S 512), drained at their ends; BLOCK 2: a loop of two tiles with the wgmmas in
+ * flight across its back edge. Cycles a tile. */
+template <int BLOCK>
+__global__ void __launch_bounds__(128, 1) chain_oneahead(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  fence_async_smem();
+  __syncthreads();
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {}, s0[8][4], s1[8][4], alpha[2];
+  uint32_t p[4][4];
+  uint64_t da[8], db[8], dv[4];
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+  }
+#pragma unroll
+  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+  auto rescale = [&]() {
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+  };
+  auto pack = [&](const float (&x)[8][4]) {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {
+      p[kc][0] = da_pack2<true>(x[2 * kc][0], x[2 * kc][1]);
+      p[kc][1] = da_pack2<true>(x[2 * kc][2], x[2 * kc][3]);
+      p[kc][2] = da_pack2<true>(x[2 * kc + 1][0], x[2 * kc + 1][1]);
+      p[kc][3] = da_pack2<true>(x[2 * kc + 1][2], x[2 * kc + 1][3]);
+    }
+  };
+  /* Tile i of a block: sc holds S(i) (in flight), sn takes S(i + 1) unless last. */
+  auto tile = [&](float (&sc)[8][4], float (&sn)[8][4], bool first, bool last) {
+    wg_wait<1>();
+    reg_fence(sc);
+    if (!last) wg_chain_s_ss8_z<true>(sn, da, db);
+    else wg_commit();
+    da_tile_update<8>(st, sc, 0.125f, alpha);
+    wg_wait<1>();
+    reg_fence(acc);
+    rescale();
+    pack(sc);
+    wg_chain_pv_n128<true>(acc, p, dv);
+    (void)first;
+  };
+  const long long t0 = clock64();
+  if constexpr (BLOCK == 8) {
+    for (int b = 0; b < tiles; b += 8) {
+      wg_chain_s_ss8_z<true>(s0, da, db);
+      wg_commit();
+#pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        tile(s0, s1, i == 0, false);
+        tile(s1, s0, false, i + 1 == 7);
+      }
+      wg_wait<0>();
+      reg_fence(acc);
+    }
+  } else {
+    wg_chain_s_ss8_z<true>(s0, da, db);
+    wg_commit();
+    for (int t = 0; t < tiles; t += 2) {
+      tile(s0, s1, t == 0, false);
+      tile(s1, s0, false, t + 2 >= tiles);
+    }
+    wg_wait<0>();
+    reg_fence(acc);
+  }
+  probe_end(t0, out, sink, st, acc);
+}
+
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
 static long long cycles(const long long *out) {
   long long c = -1;
@@ -594,6 +677,17 @@ int main() {
       const long long c = cycles(out);
       if (c < 0) return 1;
       printf("form %s: %.0f cycles a tile\n", ahead ? "S two tiles ahead (two S buffers)" : "pipelined (the kernel's)", c / 256.0);
+    }
+  }
+  /* S one tile ahead, P V under the next softmax (v5.15). */
+  for (int blk = 0; blk < 2; blk++) {
+    auto k = blk ? chain_oneahead<8> : chain_oneahead<2>;
+    cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+    for (int rep = 0; rep < 2; rep++) {
+      k<<<1, 128, 70 * 1024>>>(256, out, sink);
+      const long long c = cycles(out);
+      if (c < 0) return 1;
+      printf("form S one tile ahead, %s: %.0f cycles a tile\n", blk ? "blocks of 8 drained" : "a loop of 2", c / 256.0);
     }
   }
   return 0;
