@@ -463,6 +463,72 @@ __global__ void __launch_bounds__(128, 1) chain_oneahead(int tiles, long long *o
   probe_end(t0, out, sink, st, acc);
 }
 
+/* The kernel's pipelined form with P(t) packed into a second buffer (p2, p in turn: a loop of
+ * two tiles) so that no instruction of the softmax writes the registers P V(t - 1) reads in
+ * flight (v5.15: packing into them let ptxas pull P V(t - 1)'s wait up to the softmax's
+ * start). Cycles a tile. */
+__global__ void __launch_bounds__(128, 1) chain_p2(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+  fence_async_smem();
+  __syncthreads();
+  da_row_state st;
+  da_state_reset(st);
+  float acc[16][4] = {}, s0[8][4], alpha[2];
+  uint32_t p[4][4], p2[4][4];
+  uint64_t da[8], db[8], dv[4];
+#pragma unroll
+  for (int kk = 0; kk < 8; kk++) {
+    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+  }
+#pragma unroll
+  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+  auto rescale = [&]() {
+#pragma unroll
+    for (int n = 0; n < 16; n++) {
+      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
+      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
+    }
+  };
+  auto pack = [&](uint32_t (&q)[4][4]) {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {
+      q[kc][0] = da_pack2<true>(s0[2 * kc][0], s0[2 * kc][1]);
+      q[kc][1] = da_pack2<true>(s0[2 * kc][2], s0[2 * kc][3]);
+      q[kc][2] = da_pack2<true>(s0[2 * kc + 1][0], s0[2 * kc + 1][1]);
+      q[kc][3] = da_pack2<true>(s0[2 * kc + 1][2], s0[2 * kc + 1][3]);
+    }
+  };
+  auto slot = [&](const uint32_t (&pc)[4][4], uint32_t (&pn)[4][4]) {
+    wg_chain_s_ss8_z<true>(s0, da, db);
+    rescale();
+    wg_chain_pv_n128<true>(acc, pc, dv);
+    wg_wait<1>();
+    reg_fence(s0);
+    da_tile_update<8>(st, s0, 0.125f, alpha);
+    pack(pn);
+    wg_wait<0>();
+    reg_fence(acc);
+  };
+  const long long t0 = clock64();
+  wg_chain_s_ss8_z<true>(s0, da, db);
+  wg_wait<0>();
+  reg_fence(s0);
+  da_tile_update<8>(st, s0, 0.125f, alpha);
+  pack(p);
+  int t = 1;
+  for (; t + 1 < tiles; t += 2) {
+    slot(p, p2);
+    slot(p2, p);
+  }
+  rescale();
+  wg_chain_pv_n128<true>(acc, p, dv);
+  probe_end(t0, out, sink, st, acc);
+}
+
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
 static long long cycles(const long long *out) {
   long long c = -1;
@@ -678,6 +744,14 @@ int main() {
       if (c < 0) return 1;
       printf("form %s: %.0f cycles a tile\n", ahead ? "S two tiles ahead (two S buffers)" : "pipelined (the kernel's)", c / 256.0);
     }
+  }
+  /* The pipelined form with P packed into a second buffer (v5.15). */
+  cudaFuncSetAttribute(chain_p2, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  for (int rep = 0; rep < 2; rep++) {
+    chain_p2<<<1, 128, 70 * 1024>>>(257, out, sink);
+    const long long c = cycles(out);
+    if (c < 0) return 1;
+    printf("form pipelined, P into a second buffer: %.0f cycles a tile\n", c / 256.0);
   }
   /* S one tile ahead, P V under the next softmax (v5.15). */
   for (int blk = 0; blk < 2; blk++) {
