@@ -283,44 +283,42 @@ __global__ void __launch_bounds__(256, 1) chain_t128(int tiles, long long *out, 
   probe_end(t0, out, sink, st, acc);
 }
 
-/* One warpgroup's tile chain in the kernel's pipelined form (AHEAD = false: slot t issues
- * S(t) and P V(t - 1), softmax(t) runs under that P V, everything retired by the slot's end)
- * or with S two tiles ahead (AHEAD = true: two S buffers; tile t waits S(t), runs softmax(t)
- * under P V(t - 1) and S(t + 1), waits P V(t - 1), issues P V(t) and S(t + 2); commit order
- * S0, E, S1, then P V(t), S(t + 2), E an empty group, so every wait's N is a constant). As a
- * loop, AHEAD keeps wgmmas in flight across the back edge and ptxas serializes every wgmma
- * (C7514: the loop's entry copies the in-flight S registers), so it runs as straight-line
- * blocks of 8 tiles, drained at block ends. Same operands every tile (shared memory as
- * chain()'s); cycles a tile. (H100: pipelined 952, AHEAD 1,110: the tensor pipe takes the
- * groups in order, so S(t + 2) queued between P V(t) and P V(t + 1) delays the P V chain.) */
-template <bool AHEAD>
-__global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *out, float *sink) {
-  extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
-  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
-  fence_async_smem();
-  __syncthreads();
-  da_row_state st;
-  da_state_reset(st);
-  float acc[16][4] = {}, s0[8][4], s1[8][4], alpha[2];
-  uint32_t p[4][4];
+/* What the one-warpgroup probes of a 64-key tile at head_dim 128 share (chain_lookahead,
+ * chain_oneahead, chain_p2, chain_ksplit): Q, K and V (16 KiB each) in the 1024-aligned
+ * dynamic shared memory, filled with bf16 values; the wgmma descriptors of S's eight k-steps
+ * and P V's four; the rows' state, acc and alpha; acc *= alpha and the packing of P. */
+struct tile64 {
   uint64_t da[8], db[8], dv[4];
+  da_row_state st;
+  float acc[16][4], alpha[2];
+  __device__ __forceinline__ explicit tile64(unsigned char *raw) {
+    unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
+    const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
+    for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
+    fence_async_smem();
+    __syncthreads();
 #pragma unroll
-  for (int kk = 0; kk < 8; kk++) {
-    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+    for (int kk = 0; kk < 8; kk++) {
+      const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
+      da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
+    }
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
+    da_state_reset(st);
+#pragma unroll
+    for (int n = 0; n < 16; n++) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   }
-#pragma unroll
-  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
-  auto rescale = [&]() {
+  __device__ __forceinline__ void issue_s(float (&s)[8][4]) { wg_chain_s_ss8_z<true>(s, da, db); }
+  __device__ __forceinline__ void issue_pv(const uint32_t (&p)[4][4]) { wg_chain_pv_n128<true>(acc, p, dv); }
+  __device__ __forceinline__ void update(float (&s)[8][4]) { da_tile_update<8>(st, s, 0.125f, alpha); }
+  __device__ __forceinline__ void rescale() {
 #pragma unroll
     for (int n = 0; n < 16; n++) {
       acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
       acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
     }
-  };
-  auto pack = [&](const float (&x)[8][4]) {
+  }
+  __device__ __forceinline__ static void pack(const float (&x)[8][4], uint32_t (&p)[4][4]) {
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
       p[kc][0] = da_pack2<true>(x[2 * kc][0], x[2 * kc][1]);
@@ -328,57 +326,59 @@ __global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *
       p[kc][2] = da_pack2<true>(x[2 * kc + 1][0], x[2 * kc + 1][1]);
       p[kc][3] = da_pack2<true>(x[2 * kc + 1][2], x[2 * kc + 1][3]);
     }
-  };
-  const long long t0 = clock64();
-  if constexpr (!AHEAD) {
-    wg_chain_s_ss8_z<true>(s0, da, db);
-    wg_wait<0>();
-    reg_fence(s0);
-    da_tile_update<8>(st, s0, 0.125f, alpha);
-    pack(s0);
-    for (int t = 1; t < tiles; t++) {
-      wg_chain_s_ss8_z<true>(s0, da, db);
-      rescale();
-      wg_chain_pv_n128<true>(acc, p, dv);
-      wg_wait<1>();
-      reg_fence(s0);
-      da_tile_update<8>(st, s0, 0.125f, alpha);
-      wg_wait<0>();
-      reg_fence(acc);
-      pack(s0);
-    }
-    rescale();
-    wg_chain_pv_n128<true>(acc, p, dv);
-  } else {
-    /* Blocks of 8 tiles as straight-line code (fully unrolled: a wgmma in flight across a
-     * loop's back edge makes ptxas copy its registers and serialize, C7514), each drained at
-     * its end. */
-    for (int b = 0; b < tiles; b += 8) {
-      wg_chain_s_ss8_z<true>(s0, da, db);
-      wg_commit();
-      wg_chain_s_ss8_z<true>(s1, da, db);
-      auto tile = [&](float (&sc)[8][4], int i) {
-        wg_wait<2>();
-        reg_fence(sc);
-        da_tile_update<8>(st, sc, 0.125f, alpha);
-        wg_wait<1>();
-        reg_fence(acc);
-        rescale();
-        pack(sc);
-        wg_chain_pv_n128<true>(acc, p, dv);
-        if (i + 2 < 8) wg_chain_s_ss8_z<true>(sc, da, db);
-        else wg_commit();
-      };
-#pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        tile(s0, i);
-        tile(s1, i + 1);
-      }
-      wg_wait<0>();
-      reg_fence(acc);
-    }
   }
-  probe_end(t0, out, sink, st, acc);
+  /* P V of the tile whose P is in x, once acc's last P V is waited for: acc *= alpha, P packed
+   * into p, the chain issued. */
+  __device__ __forceinline__ void pv(const float (&x)[8][4], uint32_t (&p)[4][4]) {
+    reg_fence(acc);
+    rescale();
+    pack(x, p);
+    issue_pv(p);
+  }
+  __device__ __forceinline__ void end(long long t0, long long *out, float *sink) { probe_end(t0, out, sink, st, acc); }
+};
+
+/* One warpgroup's tile chain with S two tiles ahead (two S buffers; tile t waits S(t), runs
+ * softmax(t) under P V(t - 1) and S(t + 1), waits P V(t - 1), issues P V(t) and S(t + 2);
+ * commit order S0, E, S1, then P V(t), S(t + 2), E an empty group, so every wait's N is a
+ * constant), against the kernel's pipelined form (chain_ksplit<false, 2>: slot t issues S(t)
+ * and P V(t - 1), softmax(t) runs under that P V, everything retired by the slot's end). As
+ * a loop, this form keeps wgmmas in flight across the back edge and ptxas serializes every wgmma
+ * (C7514: the loop's entry copies the in-flight S registers), so it runs as straight-line
+ * blocks of 8 tiles, drained at block ends. Same operands every tile (shared memory as
+ * chain()'s); cycles a tile. (H100: pipelined 952, AHEAD 1,110: the tensor pipe takes the
+ * groups in order, so S(t + 2) queued between P V(t) and P V(t + 1) delays the P V chain.) */
+__global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  tile64 w(raw);
+  float s0[8][4], s1[8][4];
+  uint32_t p[4][4];
+  const long long t0 = clock64();
+  /* Blocks of 8 tiles as straight-line code (fully unrolled: a wgmma in flight across a
+   * loop's back edge makes ptxas copy its registers and serialize, C7514), each drained at
+   * its end. */
+  for (int b = 0; b < tiles; b += 8) {
+    w.issue_s(s0);
+    wg_commit();
+    w.issue_s(s1);
+    auto tile = [&](float (&sc)[8][4], int i) {
+      wg_wait<2>();
+      reg_fence(sc);
+      w.update(sc);
+      wg_wait<1>();
+      w.pv(sc, p);
+      if (i + 2 < 8) w.issue_s(sc);
+      else wg_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      tile(s0, i);
+      tile(s1, i + 1);
+    }
+    wg_wait<0>();
+    reg_fence(w.acc);
+  }
+  w.end(t0, out, sink);
 }
 
 /* One warpgroup's chain with S one tile ahead (v5.15): tile t waits S(t), issues S(t + 1)
@@ -390,77 +390,43 @@ __global__ void __launch_bounds__(128, 1) chain_lookahead(int tiles, long long *
 template <int BLOCK>
 __global__ void __launch_bounds__(128, 1) chain_oneahead(int tiles, long long *out, float *sink) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
-  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
-  fence_async_smem();
-  __syncthreads();
-  da_row_state st;
-  da_state_reset(st);
-  float acc[16][4] = {}, s0[8][4], s1[8][4], alpha[2];
+  tile64 w(raw);
+  float s0[8][4], s1[8][4];
   uint32_t p[4][4];
-  uint64_t da[8], db[8], dv[4];
-#pragma unroll
-  for (int kk = 0; kk < 8; kk++) {
-    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
-  }
-#pragma unroll
-  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
-  auto rescale = [&]() {
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-    }
-  };
-  auto pack = [&](const float (&x)[8][4]) {
-#pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-      p[kc][0] = da_pack2<true>(x[2 * kc][0], x[2 * kc][1]);
-      p[kc][1] = da_pack2<true>(x[2 * kc][2], x[2 * kc][3]);
-      p[kc][2] = da_pack2<true>(x[2 * kc + 1][0], x[2 * kc + 1][1]);
-      p[kc][3] = da_pack2<true>(x[2 * kc + 1][2], x[2 * kc + 1][3]);
-    }
-  };
-  /* Tile i of a block: sc holds S(i) (in flight), sn takes S(i + 1) unless last. */
-  auto tile = [&](float (&sc)[8][4], float (&sn)[8][4], bool first, bool last) {
+  /* A tile: sc holds S(i) (in flight), sn takes S(i + 1) unless last. */
+  auto tile = [&](float (&sc)[8][4], float (&sn)[8][4], bool last) {
     wg_wait<1>();
     reg_fence(sc);
-    if (!last) wg_chain_s_ss8_z<true>(sn, da, db);
+    if (!last) w.issue_s(sn);
     else wg_commit();
-    da_tile_update<8>(st, sc, 0.125f, alpha);
+    w.update(sc);
     wg_wait<1>();
-    reg_fence(acc);
-    rescale();
-    pack(sc);
-    wg_chain_pv_n128<true>(acc, p, dv);
-    (void)first;
+    w.pv(sc, p);
   };
   const long long t0 = clock64();
   if constexpr (BLOCK == 8) {
     for (int b = 0; b < tiles; b += 8) {
-      wg_chain_s_ss8_z<true>(s0, da, db);
+      w.issue_s(s0);
       wg_commit();
 #pragma unroll
       for (int i = 0; i < 8; i += 2) {
-        tile(s0, s1, i == 0, false);
-        tile(s1, s0, false, i + 1 == 7);
+        tile(s0, s1, false);
+        tile(s1, s0, i + 1 == 7);
       }
       wg_wait<0>();
-      reg_fence(acc);
+      reg_fence(w.acc);
     }
   } else {
-    wg_chain_s_ss8_z<true>(s0, da, db);
+    w.issue_s(s0);
     wg_commit();
     for (int t = 0; t < tiles; t += 2) {
-      tile(s0, s1, t == 0, false);
-      tile(s1, s0, false, t + 2 >= tiles);
+      tile(s0, s1, false);
+      tile(s1, s0, t + 2 >= tiles);
     }
     wg_wait<0>();
-    reg_fence(acc);
+    reg_fence(w.acc);
   }
-  probe_end(t0, out, sink, st, acc);
+  w.end(t0, out, sink);
 }
 
 /* The kernel's pipelined form with P(t) packed into a second buffer (p2, p in turn: a loop of
@@ -469,64 +435,33 @@ __global__ void __launch_bounds__(128, 1) chain_oneahead(int tiles, long long *o
  * start). Cycles a tile. */
 __global__ void __launch_bounds__(128, 1) chain_p2(int tiles, long long *out, float *sink) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
-  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
-  fence_async_smem();
-  __syncthreads();
-  da_row_state st;
-  da_state_reset(st);
-  float acc[16][4] = {}, s0[8][4], alpha[2];
+  tile64 w(raw);
+  float s0[8][4];
   uint32_t p[4][4], p2[4][4];
-  uint64_t da[8], db[8], dv[4];
-#pragma unroll
-  for (int kk = 0; kk < 8; kk++) {
-    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
-  }
-#pragma unroll
-  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
-  auto rescale = [&]() {
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-    }
-  };
-  auto pack = [&](uint32_t (&q)[4][4]) {
-#pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-      q[kc][0] = da_pack2<true>(s0[2 * kc][0], s0[2 * kc][1]);
-      q[kc][1] = da_pack2<true>(s0[2 * kc][2], s0[2 * kc][3]);
-      q[kc][2] = da_pack2<true>(s0[2 * kc + 1][0], s0[2 * kc + 1][1]);
-      q[kc][3] = da_pack2<true>(s0[2 * kc + 1][2], s0[2 * kc + 1][3]);
-    }
-  };
   auto slot = [&](const uint32_t (&pc)[4][4], uint32_t (&pn)[4][4]) {
-    wg_chain_s_ss8_z<true>(s0, da, db);
-    rescale();
-    wg_chain_pv_n128<true>(acc, pc, dv);
+    w.issue_s(s0);
+    w.rescale();
+    w.issue_pv(pc);
     wg_wait<1>();
     reg_fence(s0);
-    da_tile_update<8>(st, s0, 0.125f, alpha);
-    pack(pn);
+    w.update(s0);
+    w.pack(s0, pn);
     wg_wait<0>();
-    reg_fence(acc);
+    reg_fence(w.acc);
   };
   const long long t0 = clock64();
-  wg_chain_s_ss8_z<true>(s0, da, db);
+  w.issue_s(s0);
   wg_wait<0>();
   reg_fence(s0);
-  da_tile_update<8>(st, s0, 0.125f, alpha);
-  pack(p);
-  int t = 1;
-  for (; t + 1 < tiles; t += 2) {
+  w.update(s0);
+  w.pack(s0, p);
+  for (int t = 1; t + 1 < tiles; t += 2) {
     slot(p, p2);
     slot(p2, p);
   }
-  rescale();
-  wg_chain_pv_n128<true>(acc, p, dv);
-  probe_end(t0, out, sink, st, acc);
+  w.rescale();
+  w.issue_pv(p);
+  w.end(t0, out, sink);
 }
 
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
@@ -583,26 +518,12 @@ __device__ __forceinline__ void s_chain44(float (&d)[8][4], float (&e)[8][4], co
 template <bool SPLIT, int FORM>
 __global__ void __launch_bounds__(256, 1) chain_ksplit(int tiles, long long *out, float *sink) {
   extern __shared__ __align__(1024) unsigned char raw[];
-  unsigned char *sm = raw + ((1024 - (smem_addr(raw) & 1023)) & 1023);
-  const uint32_t qa = smem_addr(sm), ka = qa + 16384, va = ka + 16384;
-  for (int i = threadIdx.x; i < 3 * 16384 / 4; i += blockDim.x) reinterpret_cast<uint32_t *>(sm)[i] = 0x3c003c00u ^ (i * 2654435761u & 0x00ff00ffu);
-  fence_async_smem();
-  __syncthreads();
-  da_row_state st;
-  da_state_reset(st);
-  float acc[16][4] = {}, s0[8][4], s2[8][4], alpha[2];
+  tile64 w(raw);
+  float s0[8][4], s2[8][4];
   uint32_t p[4][4];
-  uint64_t da[8], db[8], dv[4];
-#pragma unroll
-  for (int kk = 0; kk < 8; kk++) {
-    const uint32_t off = (kk >> 2) * 8192 + (kk & 3) * 32;
-    da[kk] = desc_kmajor(qa + off), db[kk] = desc_kmajor(ka + off);
-  }
-#pragma unroll
-  for (int kc = 0; kc < 4; kc++) dv[kc] = desc_mnmajor(va + kc * 2048, 8192);
   auto issue_s = [&]() {
-    if constexpr (SPLIT) s_chain44(s0, s2, da, db);
-    else wg_chain_s_ss8_z<true>(s0, da, db);
+    if constexpr (SPLIT) s_chain44(s0, s2, w.da, w.db);
+    else w.issue_s(s0);
   };
   auto sum_s = [&]() { /* after the wait */
     reg_fence(s0);
@@ -614,22 +535,6 @@ __global__ void __launch_bounds__(256, 1) chain_ksplit(int tiles, long long *out
         for (int e = 0; e < 4; e++) s0[n][e] = __fadd_rn(s0[n][e], s2[n][e]);
     }
   };
-  auto rescale = [&]() {
-#pragma unroll
-    for (int n = 0; n < 16; n++) {
-      acc[n][0] = __fmul_rn(acc[n][0], alpha[0]), acc[n][1] = __fmul_rn(acc[n][1], alpha[0]);
-      acc[n][2] = __fmul_rn(acc[n][2], alpha[1]), acc[n][3] = __fmul_rn(acc[n][3], alpha[1]);
-    }
-  };
-  auto pack = [&]() {
-#pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-      p[kc][0] = da_pack2<true>(s0[2 * kc][0], s0[2 * kc][1]);
-      p[kc][1] = da_pack2<true>(s0[2 * kc][2], s0[2 * kc][3]);
-      p[kc][2] = da_pack2<true>(s0[2 * kc + 1][0], s0[2 * kc + 1][1]);
-      p[kc][3] = da_pack2<true>(s0[2 * kc + 1][2], s0[2 * kc + 1][3]);
-    }
-  };
   const long long t0 = clock64();
   if constexpr (FORM == 0) {
     float z = 0.0f;
@@ -639,41 +544,41 @@ __global__ void __launch_bounds__(256, 1) chain_ksplit(int tiles, long long *out
       sum_s();
       z += s0[t & 7][t & 3];
     }
-    acc[0][0] = z;
+    w.acc[0][0] = z;
   } else if constexpr (FORM == 1) {
     for (int t = 0; t < tiles; t++) {
       issue_s();
       wg_wait<0>();
       sum_s();
-      da_tile_update<8>(st, s0, 0.125f, alpha);
-      rescale();
-      pack();
-      reg_fence(acc);
-      wg_chain_pv_n128<true>(acc, p, dv);
+      w.update(s0);
+      w.rescale();
+      w.pack(s0, p);
+      reg_fence(w.acc);
+      w.issue_pv(p);
       wg_wait<0>();
-      reg_fence(acc);
+      reg_fence(w.acc);
     }
   } else {
     issue_s();
     wg_wait<0>();
     sum_s();
-    da_tile_update<8>(st, s0, 0.125f, alpha);
-    pack();
+    w.update(s0);
+    w.pack(s0, p);
     for (int t = 1; t < tiles; t++) {
       issue_s();
-      rescale();
-      wg_chain_pv_n128<true>(acc, p, dv);
+      w.rescale();
+      w.issue_pv(p);
       wg_wait<1>();
       sum_s();
-      da_tile_update<8>(st, s0, 0.125f, alpha);
+      w.update(s0);
       wg_wait<0>();
-      reg_fence(acc);
-      pack();
+      reg_fence(w.acc);
+      w.pack(s0, p);
     }
-    rescale();
-    wg_chain_pv_n128<true>(acc, p, dv);
+    w.rescale();
+    w.issue_pv(p);
   }
-  probe_end(t0, out, sink, st, acc);
+  w.end(t0, out, sink);
 }
 
 /* chain_ksplit's forms, one chain against two, 1-2 warpgroups side by side; 1 after an error. */
@@ -736,7 +641,7 @@ int main() {
     return 1;
   /* The kernel's pipelined form against S two tiles ahead (one warpgroup). */
   for (int ahead = 0; ahead < 2; ahead++) {
-    auto k = ahead ? chain_lookahead<true> : chain_lookahead<false>;
+    auto k = ahead ? chain_lookahead : chain_ksplit<false, 2>;
     cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
     for (int rep = 0; rep < 2; rep++) {
       k<<<1, 128, 70 * 1024>>>(256, out, sink);
