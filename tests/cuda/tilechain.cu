@@ -464,6 +464,38 @@ __global__ void __launch_bounds__(128, 1) chain_p2(int tiles, long long *out, fl
   w.end(t0, out, sink);
 }
 
+/* The pipelined form with P V(t - 1)'s wait moved to the top of the next slot (v5.15): slot t
+ * waits P V(t - 2), packs P(t - 1) from s (its fp32 values, kept since softmax(t - 1)), issues
+ * S(t) into s, scales acc, issues P V(t - 1), waits S(t) and runs softmax(t) under P V(t - 1),
+ * which stays in
+ * flight across the loop's back edge. No second P buffer, and no wait after the softmax for
+ * ptxas to pull up into it. Cycles a tile. */
+__global__ void __launch_bounds__(128, 1) chain_defer(int tiles, long long *out, float *sink) {
+  extern __shared__ __align__(1024) unsigned char raw[];
+  tile64 w(raw);
+  float s0[8][4];
+  uint32_t p[4][4];
+  const long long t0 = clock64();
+  w.issue_s(s0);
+  wg_wait<0>();
+  reg_fence(s0);
+  w.update(s0);
+  for (int t = 1; t < tiles; t++) {
+    wg_wait<0>();
+    reg_fence(w.acc);
+    w.pack(s0, p);
+    w.issue_s(s0);
+    w.rescale();
+    w.issue_pv(p);
+    wg_wait<1>();
+    reg_fence(s0);
+    w.update(s0);
+  }
+  wg_wait<0>();
+  w.pv(s0, p);
+  w.end(t0, out, sink);
+}
+
 /* The cycles the last launch's first thread counted, or -1 after an error (printed). */
 static long long cycles(const long long *out) {
   long long c = -1;
@@ -657,6 +689,14 @@ int main() {
     const long long c = cycles(out);
     if (c < 0) return 1;
     printf("form pipelined, P into a second buffer: %.0f cycles a tile\n", c / 256.0);
+  }
+  /* P V's wait at the top of the next slot (v5.15). */
+  cudaFuncSetAttribute(chain_defer, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  for (int rep = 0; rep < 2; rep++) {
+    chain_defer<<<1, 128, 70 * 1024>>>(256, out, sink);
+    const long long c = cycles(out);
+    if (c < 0) return 1;
+    printf("form pipelined, P V's wait at the next slot's top: %.0f cycles a tile\n", c / 256.0);
   }
   /* S one tile ahead, P V under the next softmax (v5.15). */
   for (int blk = 0; blk < 2; blk++) {
