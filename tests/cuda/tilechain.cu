@@ -671,42 +671,24 @@ int main() {
   }
   if (probe128(chain_s128, 3, "S of 128 keys (n128)", out, sink) || probe128(chain_t128, 2, "128-key tile, all steps", out, sink))
     return 1;
-  /* The kernel's pipelined form against S two tiles ahead (one warpgroup). */
-  for (int ahead = 0; ahead < 2; ahead++) {
-    auto k = ahead ? chain_lookahead : chain_ksplit<false, 2>;
-    cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
+  /* One warpgroup's orders of the same tile chain (v5.7, v5.15), two runs each. */
+  const struct {
+    void (*k)(int, long long *, float *);
+    int tiles;
+    const char *what;
+  } orders[] = {{chain_ksplit<false, 2>, 256, "pipelined (the kernel's)"},
+                {chain_lookahead, 256, "S two tiles ahead (two S buffers)"},
+                {chain_p2, 257, "pipelined, P into a second buffer"},
+                {chain_defer, 256, "pipelined, P V's wait at the next slot's top"},
+                {chain_oneahead<2>, 256, "S one tile ahead, a loop of 2"},
+                {chain_oneahead<8>, 256, "S one tile ahead, blocks of 8 drained"}};
+  for (const auto &o : orders) {
+    cudaFuncSetAttribute(reinterpret_cast<const void *>(o.k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
     for (int rep = 0; rep < 2; rep++) {
-      k<<<1, 128, 70 * 1024>>>(256, out, sink);
+      o.k<<<1, 128, 70 * 1024>>>(o.tiles, out, sink);
       const long long c = cycles(out);
       if (c < 0) return 1;
-      printf("form %s: %.0f cycles a tile\n", ahead ? "S two tiles ahead (two S buffers)" : "pipelined (the kernel's)", c / 256.0);
-    }
-  }
-  /* The pipelined form with P packed into a second buffer (v5.15). */
-  cudaFuncSetAttribute(chain_p2, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-  for (int rep = 0; rep < 2; rep++) {
-    chain_p2<<<1, 128, 70 * 1024>>>(257, out, sink);
-    const long long c = cycles(out);
-    if (c < 0) return 1;
-    printf("form pipelined, P into a second buffer: %.0f cycles a tile\n", c / 256.0);
-  }
-  /* P V's wait at the top of the next slot (v5.15). */
-  cudaFuncSetAttribute(chain_defer, cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-  for (int rep = 0; rep < 2; rep++) {
-    chain_defer<<<1, 128, 70 * 1024>>>(256, out, sink);
-    const long long c = cycles(out);
-    if (c < 0) return 1;
-    printf("form pipelined, P V's wait at the next slot's top: %.0f cycles a tile\n", c / 256.0);
-  }
-  /* S one tile ahead, P V under the next softmax (v5.15). */
-  for (int blk = 0; blk < 2; blk++) {
-    auto k = blk ? chain_oneahead<8> : chain_oneahead<2>;
-    cudaFuncSetAttribute(reinterpret_cast<const void *>(k), cudaFuncAttributeMaxDynamicSharedMemorySize, 70 * 1024);
-    for (int rep = 0; rep < 2; rep++) {
-      k<<<1, 128, 70 * 1024>>>(256, out, sink);
-      const long long c = cycles(out);
-      if (c < 0) return 1;
-      printf("form S one tile ahead, %s: %.0f cycles a tile\n", blk ? "blocks of 8 drained" : "a loop of 2", c / 256.0);
+      printf("form %s: %.0f cycles a tile\n", o.what, c / 256.0);
     }
   }
   return 0;
