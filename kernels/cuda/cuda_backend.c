@@ -58,6 +58,7 @@ typedef struct cuda_ctx {
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
                        DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
+  int q_tma;         /* prefill_sm90.cu loads Q by TMA an item ahead (unless DA_CUDA_SM90_QTMA=0) */
   int pipes_partial; /* batches with partial rows as pipes too (unless DA_CUDA_SM90_DECODE=pipes-inrow) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
@@ -292,6 +293,15 @@ static int l2_promo_env(const struct cudaDeviceProp *prop, int *promo, char *err
   return env_pick("DA_CUDA_L2_PROMO", names, sizeof(names) / sizeof(names[0]), dflt, promo, err, errlen);
 }
 
+/* DA_CUDA_SM90_QTMA, how prefill_sm90.cu's consumers get Q at head_dim 128 (prefill launches,
+ * one ring): 1, by TMA from the producer warp an item ahead into a second Q buffer (the
+ * default; NOTES.md v5.17: B 8 L 4k 2.2-3.3 % faster on an H200), or 0, loaded and stored by
+ * the consumers at the item's start. The bits never depend on it. */
+static int q_tma_env(int *on, char *err, size_t errlen) {
+  static const env_choice names[] = {{"0", 0}, {"1", 1}};
+  return env_pick("DA_CUDA_SM90_QTMA", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
+}
+
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
@@ -362,6 +372,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = partial_per_env(&c->partial_per, err, errlen);
     if (rv == 0) rv = deal_env(&c->deal, err, errlen);
     if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
+    if (rv == 0) rv = q_tma_env(&c->q_tma, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
@@ -824,6 +835,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   g->kv_stream = pl->kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
   g->l2_promo = c->l2_promo;
+  g->q_tokens = c->q_tma ? pl->n_q_el / ((int64_t)m->n_q_heads * m->head_dim) : 0;
   c->launch_pipes = pl->pipes > 1;
   g->scale_log2 = (float)((double)m->scale * 1.4426950408889634);
   g->softcap = m->softcap > 0.0f;

@@ -26,14 +26,17 @@
  * tiles arrive by TMA in 128-byte-swizzled [64][64] boxes (one per page chunk and 64
  * columns); tiles at the edge of the key range get the rows outside it zeroed by the
  * producer before they are published, so poison (unwritten pages, NaN in tests) never
- * reaches an MMA. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel):
- * each consumer warpgroup with a producer warp and a share of the stages of its own.
+ * reaches an MMA. At head_dim 128 on one ring the producer also loads each item's Q by TMA
+ * (produce_q) into one of two Q buffers, an item ahead, so an item's start waits for no Q
+ * load. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel): each
+ * consumer warpgroup with a producer warp and a share of the stages of its own.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
 #include <type_traits>
 
 #include "cuda_kernels.h"
@@ -85,14 +88,23 @@ struct layout {
   static constexpr bool QS = D == 128;
   static constexpr int Q_B = 64 * D * 2; /* one warpgroup's Q */
   static constexpr int OFF_Q = 0;
-  static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0); /* full[NST_MAX], empty[NST_MAX], aux[NCW], turn[NCW] */
+  /* full[NST_MAX], empty[NST_MAX], aux[NCW], turn[NCW], qfull[2], qempty[2] */
+  static constexpr int OFF_BAR = OFF_Q + (QS ? NCW * Q_B : 0);
   static constexpr int BAR_FULL = OFF_BAR, BAR_EMPTY = OFF_BAR + 8 * NST_MAX, BAR_AUX = OFF_BAR + 16 * NST_MAX;
   static constexpr int BAR_TURN = BAR_AUX + 8 * NCW;
+  static constexpr int BAR_QFULL = BAR_TURN + 8 * NCW, BAR_QEMPTY = BAR_QFULL + 16;
+  /* QK[w]: consumer warp w's count of items begun (Q by TMA: its buffer and phase; in shared
+   * memory, not a register, which the d 128 consumer does not have to spare) */
+  static constexpr int OFF_QK = BAR_QEMPTY + 16;
   /* NEXT[s]: the item after the one whose first tile is in stage s (produce publishes it) */
-  static constexpr int OFF_NEXT = BAR_TURN + 8 * NCW;
+  static constexpr int OFF_NEXT = OFF_QK + 4 * 4 * NCW;
   static constexpr int OFF_S = (OFF_NEXT + 4 * NST_MAX + 1023) / 1024 * 1024;
   static constexpr int OFF_K = OFF_S, OFF_V = OFF_S + TILE_B; /* of stage 0 */
+  /* With Q by TMA (QS, one ring of NST_RING stages): Q's second buffer after the stages. */
+  static constexpr int OFF_Q1 = OFF_S + NST_RING * STAGE_B;
   static constexpr int bytes(int nst) { return OFF_S + nst * STAGE_B + 1024; }
+  static constexpr int bytes_qtma() { return bytes(NST_RING) + NCW * Q_B; }
+  static constexpr bool QTMA = QS && bytes_qtma() <= bytes(NST_MAX); /* two Q buffers fit */
 };
 
 /* A row of the block: valid, its position p and window start w0, and its first and last
@@ -163,6 +175,7 @@ struct ring_pos {
  */
 struct prod_item {
   int kt_begin, kt_end, w0_min, p_max;
+  int q_tok, q_head; /* Q by TMA: the item's first token and q head */
   int64_t k_rows;
   const int32_t *pt;
   int32_t ids, ids_next;
@@ -186,6 +199,9 @@ __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int
   pi.kt_begin = ir.kt_begin, pi.kt_end = ir.kt_end, pi.w0_min = ir.w0_min, pi.p_max = ir.p_max;
   pi.k_rows = ((int64_t)ir.at.layer * 2 * a.n_kv_heads + ir.it.kv_head) * a.page_tokens;
   pi.pt = a.pages + ir.at.pt_off;
+  const int G = a.n_q_heads / a.n_kv_heads;
+  pi.q_tok = (int)(ir.at.q_off / ((int64_t)a.n_q_heads * D)) + ir.it.row0 / G;
+  pi.q_head = ir.it.kv_head * G;
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
@@ -308,6 +324,32 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
 }
 
 /*
+ * Q of the CTA's k-th item by TMA (qtma: head_dim 128, one ring): into buffer k & 1 (OFF_Q,
+ * OFF_Q1) once every consumer warp has released that buffer's item before (qempty), completing
+ * on qfull[k & 1]. A box is 64 rows of the block (64 / G tokens x G q heads) x 64 columns,
+ * 128-byte swizzled as the consumers' stores were; rows past the item's last come from the
+ * next tokens of the staged queries (or zeros past them): their results are never written,
+ * and no row's arithmetic reads another's.
+ */
+template <int D, int BN>
+__device__ __forceinline__ void produce_q(const da_cu_args &a, const prod_item &pi, int k, const CUtensorMap *tmq,
+                                          uint32_t base) {
+  using L = layout<D, BN>;
+  const int b = k & 1;
+  mbar_wait(base + L::BAR_QEMPTY + 8 * b, ((k >> 1) & 1) ^ 1);
+  if ((threadIdx.x & 31) == 0) {
+    const uint32_t bar = base + L::BAR_QFULL + 8 * b, dst = base + (b ? L::OFF_Q1 : L::OFF_Q);
+    const int tpw = 64 * a.n_kv_heads / a.n_q_heads; /* tokens of a warpgroup's 64 rows */
+    mbar_arrive_tx(bar, L::NCW * L::Q_B);
+#pragma unroll
+    for (int c = 0; c < L::NCW; c++)
+#pragma unroll
+      for (int cb = 0; cb < D / 64; cb++)
+        tma_load_3d(dst + c * L::Q_B + cb * 64 * 128, tmq, cb * 64, pi.q_head, pi.q_tok + c * tpw, bar);
+  }
+}
+
+/*
  * One consumer warpgroup: 64 rows of the item (cw = 0, 1 or 2). At head_dim 64 the Q
  * fragments live in registers (the m16n8k16 A layout, wgmma's register-A layout); at 128 Q
  * is in shared memory and S is an SS chain, so the in-row fold (the accumulator's layout,
@@ -334,7 +376,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
  */
 template <int D, int BN, bool BF16, bool PIPE, bool CAP>
 __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir, uint32_t base, int cw, int wrow,
-                                       int pingpong, ring_pos &rp, uint32_t &turn_ph) {
+                                       int pingpong, ring_pos &rp, uint32_t &turn_ph, int qtma) {
   using L = layout<D, BN>;
   constexpr int NTS = BN / 8; /* n8 fragments of a score tile */
   const da_cu_attn &at = ir.at;
@@ -375,45 +417,64 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
   /* Q: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk + 2 qd (+1),
    * + 8), zero past the last row. In registers, or (QS) stored to the warpgroup's swizzled
    * Q block, once the warpgroup's wgmmas of the previous item are done (every warp has
-   * waited for them when it gets here; the named barrier makes it all four). */
+   * waited for them when it gets here; the named barrier makes it all four). With Q by TMA
+   * (q_tma: produce_q loaded it an item ahead into buffer k & 1, so the item's start has no
+   * Q round trip), the warp releases the previous item's buffer and waits for this one's
+   * (after the item's first tile, below). */
   uint32_t qf[L::QS ? 1 : NK][4];
-  const uint32_t q_s = base + L::OFF_Q + cw * L::Q_B;
+  const bool q_tma = L::QTMA && qtma; /* Q came by TMA (produce_q) into buffer k & 1 */
+  int k = 0; /* this item's number in the CTA's sequence */
+  if (q_tma) {
+    const uint32_t qk = base + L::OFF_QK + 4 * (cw * 4 + warp);
+    k = warp_uniform(ld_shared_s32(qk));
+    __syncwarp();
+    if (lane == 0) st_shared_u32(qk, (uint32_t)(k + 1));
+  }
+  /* warp_uniform: the buffer's offset in a uniform register, as the descriptors built on it */
+  const uint32_t q_o = warp_uniform(q_tma && (k & 1) ? L::OFF_Q1 : L::OFF_Q);
+  const uint32_t q_s = base + q_o + cw * L::Q_B;
   da_pdl_wait(); /* pdl.cuh: Q (a gather kernel may have staged it) and every write after */
-  if constexpr (L::QS) bar_sync(Q_BAR0 + cw, 128);
-  {
-    const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
-    const uint32_t *src[2];
+  if (q_tma && k > 0) { /* the previous item's Q: every wgmma of this warp's that read it is done */
+    __syncwarp();
+    if (lane == 0) mbar_arrive(base + L::BAR_QEMPTY + 8 * ((k - 1) & 1));
+  }
+  if (!q_tma) {
+    if constexpr (L::QS) bar_sync(Q_BAR0 + cw, 128);
+    {
+      const uint32_t *q = reinterpret_cast<const uint32_t *>(static_cast<const uint16_t *>(a.q) + at.q_off);
+      const uint32_t *src[2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-      const int row = r0 + 8 * r;
-      src[r] = ri[r].valid ? q + (((int64_t)(row / G) * a.n_q_heads + it.kv_head * G + row % G) * D) / 2 + qd : nullptr;
-    }
+      for (int r = 0; r < 2; r++) {
+        const int row = r0 + 8 * r;
+        src[r] = ri[r].valid ? q + (((int64_t)(row / G) * a.n_q_heads + it.kv_head * G + row % G) * D) / 2 + qd : nullptr;
+      }
 #pragma unroll
-    for (int kk = 0; kk < NK; kk++) {
-      uint32_t f[4];
-      f[0] = src[0] ? __ldg(src[0] + kk * 8) : 0u;
-      f[1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
-      f[2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
-      f[3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
-      if constexpr (L::QS) {
-        /* Element (row, col) of the block: 16-byte chunk col / 8, 4-byte word col / 2 % 4. */
+      for (int kk = 0; kk < NK; kk++) {
+        uint32_t f[4];
+        f[0] = src[0] ? __ldg(src[0] + kk * 8) : 0u;
+        f[1] = src[1] ? __ldg(src[1] + kk * 8) : 0u;
+        f[2] = src[0] ? __ldg(src[0] + kk * 8 + 4) : 0u;
+        f[3] = src[1] ? __ldg(src[1] + kk * 8 + 4) : 0u;
+        if constexpr (L::QS) {
+          /* Element (row, col) of the block: 16-byte chunk col / 8, 4-byte word col / 2 % 4. */
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const int row = warp * 16 + g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1) + 2 * qd;
-          st_shared_u32(q_s + swz128(row, col >> 3, 64) + (col & 7) * 2, f[e]);
+          for (int e = 0; e < 4; e++) {
+            const int row = warp * 16 + g + 8 * (e & 1), col = kk * 16 + 8 * (e >> 1) + 2 * qd;
+            st_shared_u32(q_s + swz128(row, col >> 3, 64) + (col & 7) * 2, f[e]);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; e++) qf[kk][e] = f[e];
         }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; e++) qf[kk][e] = f[e];
       }
     }
-  }
-  if constexpr (L::QS) {
-    fence_async_smem(); /* the stores, to the async proxy that wgmma reads through */
-    bar_sync(Q_BAR0 + cw, 128);
-    DA_TRACE_IF(cw == 0 && ctid == 0, 41); /* timing builds: the warpgroup's Q stored */
-  } else {
-    DA_TRACE_IF(cw == 0 && ctid == 0 && qf[0][0] != 0x7fffffffu, 41); /* its Q in registers */
+    if constexpr (L::QS) {
+      fence_async_smem(); /* the stores, to the async proxy that wgmma reads through */
+      bar_sync(Q_BAR0 + cw, 128);
+      DA_TRACE_IF(cw == 0 && ctid == 0, 41); /* timing builds: the warpgroup's Q stored */
+    } else {
+      DA_TRACE_IF(cw == 0 && ctid == 0 && qf[0][0] != 0x7fffffffu, 41); /* its Q in registers */
+    }
   }
   float acc[NV][4];
   float fold_lse[2] = {0.0f, 0.0f};
@@ -426,7 +487,6 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
 
   /* Descriptors of stage 0's K (k-step 0) and V (key step 0); a stage is TILE_B further. */
   const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, BN * 128);
-  const uint64_t dq = desc_kmajor(q_s);
 
   /* K-major operand (K: BN rows, or Q in shared memory: 64) of k-step kk: its 64-column
    * block, then 32 bytes a k16 step inside it. */
@@ -442,6 +502,11 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
     for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk, BN);
     if constexpr (L::QS) {
       uint64_t da[NK];
+      /* Q's descriptors made at each issue from an opaque copy of the buffer's offset: hoisted
+       * out of the loops as invariants they would take eight registers (ptxas spilled). */
+      uint32_t qo = q_o;
+      asm volatile("" : "+r"(qo));
+      const uint64_t dq = desc_kmajor(base + qo + cw * L::Q_B);
 #pragma unroll
       for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk, 64);
       wg_chain_s_ss8_z<BF16>(s, da, db);
@@ -542,8 +607,10 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
     if (lane == 0) mbar_arrive(bar_empty + 8 * rp.st);
     if (++rp.st == rp.end) rp.st = rp.first, rp.round++;
   }
-  /* The same rows of the next item (next >= 0): into L2 now, so its Q loads are short. */
-  if (next >= 0 && qd < D / 64) {
+  if (q_tma) {
+    mbar_wait(base + L::BAR_QFULL + 8 * (k & 1), (k >> 1) & 1);
+  } else if (next >= 0 && qd < D / 64) {
+    /* The same rows of the next item: into L2 now, so its Q loads are short. */
     const da_cu_item nit = a.items[next];
     const da_cu_attn nat = a.attns[nit.attn];
     const uint16_t *q = static_cast<const uint16_t *>(a.q) + nat.q_off;
@@ -774,7 +841,8 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
  * pipelined, no softcap (the decode shapes the benchmarks measure), the rest load as usual. */
 template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF>
 __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
-    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst) {
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, const __grid_constant__ CUtensorMap tmq,
+                   int n, int pingpong, int pipes, int nst, int qtma) {
   using L = layout<D, BN>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
@@ -793,9 +861,15 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       mbar_init(base + L::BAR_AUX + 8 * c, 1);
       mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the previous warpgroup's warps */
     }
+    for (int w = 0; w < 4 * L::NCW; w++) st_shared_u32(base + L::OFF_QK + 4 * w, 0u);
+    for (int b = 0; b < 2; b++) {
+      mbar_init(base + L::BAR_QFULL + 8 * b, 1);
+      mbar_init(base + L::BAR_QEMPTY + 8 * b, L::NCW * 4); /* every consumer warp */
+    }
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
+  if (threadIdx.x == 64 && qtma) tma_prefetch_desc(&tmq);
   __syncthreads();
   DA_TRACE_IF(threadIdx.x == 0, 38); /* the block barrier passed */
 
@@ -816,8 +890,9 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
        * page ids were staged before the kernel ahead of this one ran; tickets and K/V only
        * once it is done. (The next item decided here, not in produce: there ptxas spilled.) */
       da_pdl_wait();
-      for (int i = i0 < n ? i0 : -1; i >= 0;) {
+      for (int i = i0 < n ? i0 : -1, k = 0; i >= 0; k++) {
         const int next = next_item(a, i, n, nv, threadIdx.x & 31);
+        if (L::QTMA && qtma) produce_q<D, BN>(a, cur, k, &tmq, base);
         prod_item nxt = cur;
         produce<D, BN, KVF>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
         cur = nxt;
@@ -846,7 +921,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     const int i0 = (int)blockIdx.x * pipes + w;
     for (int i = i0 < n ? i0 : -1; i >= 0;)
       i = consume<D, BN, BF16, PIPE, CAP>(a, cta_range<D, BN>(a, i), base, cw, pipes > 1 ? 0 : cw * 64, pingpong, rp,
-                                          turn_ph);
+                                          turn_ph, qtma);
   }
 }
 
@@ -885,6 +960,23 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
                       a->l2_promo == 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  /* Q by TMA an item ahead (produce_q): Q in shared memory (head_dim 128), one ring, G dividing
+   * 64 (a box is 64 / G tokens x G heads) and the staged queries' size known (q_tokens). The
+   * staged queries as [q_tokens][n_q_heads][D]. */
+  const int G = a->n_q_heads / a->n_kv_heads;
+  CUtensorMap tmq;
+  memset(&tmq, 0, sizeof(tmq));
+  int qtma = L::QTMA && pipes == 1 && a->q_tokens > 0 && a->q_tokens < (1ll << 31) && G <= 64 && 64 % G == 0;
+  if (qtma) {
+    const cuuint64_t qdims[3] = {(cuuint64_t)D, (cuuint64_t)a->n_q_heads, (cuuint64_t)a->q_tokens};
+    const cuuint64_t qstrides[2] = {(cuuint64_t)D * 2, (cuuint64_t)a->n_q_heads * D * 2};
+    const cuuint32_t qbox[3] = {64, (cuuint32_t)G, (cuuint32_t)(64 / G)};
+    const cuuint32_t qestr[3] = {1, 1, 1};
+    r = encode(&tmq, BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void *>(a->q),
+               qdims, qstrides, qbox, qestr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  }
   /* The shared-memory limit is a per-device function attribute: set once per device. */
   static unsigned long long configured = 0;
   int dev = 0;
@@ -900,8 +992,9 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   /* A programmatic dependent of the kernel before it (pdl.cuh): the prologue up to the first
    * K/V load runs while that kernel finishes. */
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)grid, cta<D, BN>::NTHREADS, L::bytes(nst), stream, &attr, true);
-  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, *a, tm, n, pingpong, pipes, nst);
+  const size_t smem = qtma ? L::bytes_qtma() : L::bytes(nst);
+  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)grid, cta<D, BN>::NTHREADS, smem, stream, &attr, true);
+  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, *a, tm, tmq, n, pingpong, pipes, nst, qtma);
 }
 
 template <int BN, bool CAP>

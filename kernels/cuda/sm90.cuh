@@ -584,6 +584,14 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void *tm, int c0
       "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(bar), "l"(pol)
       : "memory");
 }
+/* A 3D box of tm at element coordinates (c0 innermost) into shared memory at dst; completes
+ * bytes on bar. */
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tm, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const void *tm) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tm)) : "memory");
 }

@@ -469,7 +469,8 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_PARTIAL_PER", "65", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"},
-             {"DA_CUDA_L2_PROMO", "128", "expected none or 256"}};
+             {"DA_CUDA_L2_PROMO", "128", "expected none or 256"},
+             {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -596,7 +597,8 @@ START_TEST(every_deal_gives_the_same_digests) {
                {"DA_CUDA_SM90_DEAL", "tickets-inrow"},
                {"DA_CUDA_SM90_DECODE", "pipes-inrow"},
                {"DA_CUDA_L2_PROMO", "none"},
-               {"DA_CUDA_L2_PROMO", "256"}};
+               {"DA_CUDA_L2_PROMO", "256"},
+               {"DA_CUDA_SM90_QTMA", "0"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
   for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
