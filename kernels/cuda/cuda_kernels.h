@@ -93,14 +93,14 @@ typedef struct da_cu_args {
                          launch's K/V (no other item reads them) as evict_first, so they leave
                          the L2 to the partials; combine.cu drops a row's o_j from the L2 once
                          folded */
-  int64_t q_tokens;   /* tokens of the staged queries (q: [q_tokens][n_q_heads][head_dim]); 0: prefill_sm90.cu
-                         stores Q from the consumers instead of by TMA (DA_CUDA_SM90_QTMA=0) */
   int l2_promo;       /* the L2 promotion of prefill_sm90.cu's K/V loads, bytes: 0 (none) or 256
                          (cuda_backend.c chooses it per card, DA_CUDA_L2_PROMO) */
   /* prefill_sm90.cu's dynamic dealing: {next ticket, pipes done}, 0 between launches (the
    * last pipe out resets them); NULL: items round-robin. The launcher ignores it where every
    * pipe has one item or fewer. */
   int *ticket;
+  int64_t q_tokens; /* tokens of the staged queries (q: [q_tokens][n_q_heads][head_dim]); 0: prefill_sm90.cu's
+                       consumers load Q themselves instead of its producer by TMA (DA_CUDA_SM90_QTMA=0) */
 } da_cu_args;
 
 /* attn.cu: the attention kernel over a->items (in-row items write o/lse, partial items

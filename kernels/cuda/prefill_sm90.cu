@@ -26,9 +26,9 @@
  * tiles arrive by TMA in 128-byte-swizzled [64][64] boxes (one per page chunk and 64
  * columns); tiles at the edge of the key range get the rows outside it zeroed by the
  * producer before they are published, so poison (unwritten pages, NaN in tests) never
- * reaches an MMA. At head_dim 128 on one ring the producer also loads each item's Q by TMA
- * (produce_q) into one of two Q buffers, an item ahead, so an item's start waits for no Q
- * load. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel): each
+ * reaches an MMA. In prefill launches at head_dim 128 on one ring (QT) the producer also
+ * loads each item's Q by TMA (produce_q) into one of two Q buffers, an item ahead, so an
+ * item's start waits for no Q load. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel): each
  * consumer warpgroup with a producer warp and a share of the stages of its own.
  */
 #include <cuda.h>
@@ -72,7 +72,7 @@ template <int D, int BN> struct cta {
  * (QS), the barriers, then the K/V stages (stage s: K, then V). At head_dim 64 Q lives in
  * registers; the in-row fold (fp32 o of every row) always does. A launch allocates the stages
  * it uses (bytes(nst)): a smaller carve-out leaves more L1. */
-template <int D, int BN>
+template <int D, int BN, bool QT = false>
 struct layout {
   /* K/V stages: NST_RING in one ring; a decode launch with pipes uses NST_MAX, split evenly.
    * A stage of head_dim 128 and T = 128 is 64 KB: three fit beside Q, and no pipes. */
@@ -96,15 +96,18 @@ struct layout {
   /* QK[w]: consumer warp w's count of items begun (Q by TMA: its buffer and phase; in shared
    * memory, not a register, which the d 128 consumer does not have to spare) */
   static constexpr int OFF_QK = BAR_QEMPTY + 16;
-  /* NEXT[s]: the item after the one whose first tile is in stage s (produce publishes it) */
-  static constexpr int OFF_NEXT = OFF_QK + 4 * 4 * NCW;
+  /* NEXT[s]: the item after the one whose first tile is in stage s (produce publishes it);
+   * kernels without Q by TMA keep the layout from before it (no qfull, qempty, QK) */
+  static constexpr int OFF_NEXT = QT ? OFF_QK + 4 * 4 * NCW : BAR_TURN + 8 * NCW;
   static constexpr int OFF_S = (OFF_NEXT + 4 * NST_MAX + 1023) / 1024 * 1024;
   static constexpr int OFF_K = OFF_S, OFF_V = OFF_S + TILE_B; /* of stage 0 */
   /* With Q by TMA (QS, one ring of NST_RING stages): Q's second buffer after the stages. */
   static constexpr int OFF_Q1 = OFF_S + NST_RING * STAGE_B;
   static constexpr int bytes(int nst) { return OFF_S + nst * STAGE_B + 1024; }
-  static constexpr int bytes_qtma() { return bytes(NST_RING) + NCW * Q_B; }
-  static constexpr bool QTMA = QS && bytes_qtma() <= bytes(NST_MAX); /* two Q buffers fit */
+  static constexpr int bytes_qtma() { return OFF_Q1 + NCW * Q_B + 1024; } /* bytes(NST_RING) and Q's second buffer */
+  /* Q by TMA (QT, a template flag: decode's pipes and the other forms keep their code as it
+   * was, NOTES v5.17), where two Q buffers fit */
+  static constexpr bool QTMA = QT && QS && bytes_qtma() <= bytes(NST_MAX);
 };
 
 /* A row of the block: valid, its position p and window start w0, and its first and last
@@ -192,16 +195,18 @@ __device__ __forceinline__ int32_t batch_id(const da_cu_args &a, const prod_item
   return c0 <= pi.p_max && c0 + box_rows<BN>(a) - 1 >= pi.w0_min ? pi.pt[c0 >> a.page_shift] : -1;
 }
 
-template <int D, int BN>
+template <int D, int BN, bool QT>
 __device__ __forceinline__ prod_item prod_load(const da_cu_args &a, int idx, int lane) {
   const item_range ir = cta_range<D, BN>(a, idx);
   prod_item pi;
   pi.kt_begin = ir.kt_begin, pi.kt_end = ir.kt_end, pi.w0_min = ir.w0_min, pi.p_max = ir.p_max;
   pi.k_rows = ((int64_t)ir.at.layer * 2 * a.n_kv_heads + ir.it.kv_head) * a.page_tokens;
   pi.pt = a.pages + ir.at.pt_off;
-  const int G = a.n_q_heads / a.n_kv_heads;
-  pi.q_tok = (int)(ir.at.q_off / ((int64_t)a.n_q_heads * D)) + ir.it.row0 / G;
-  pi.q_head = ir.it.kv_head * G;
+  if constexpr (QT) {
+    const int G = a.n_q_heads / a.n_kv_heads;
+    pi.q_tok = (int)(ir.at.q_off / ((int64_t)a.n_q_heads * D)) + ir.it.row0 / G;
+    pi.q_head = ir.it.kv_head * G;
+  }
   const int tpb = 32 / (BN / box_rows<BN>(a));
   pi.ids = batch_id<BN>(a, pi, pi.kt_begin, lane);
   pi.ids_next = batch_id<BN>(a, pi, pi.kt_begin + tpb, lane);
@@ -236,11 +241,11 @@ __device__ __forceinline__ int next_item(const da_cu_args &a, int idx, int n, in
  * *nxt once the ring is full (after the item's NST-th tile, or its last), its descriptor
  * put into L2 at the start. KVF: every load is evict_first (see prefill_kernel).
  */
-template <int D, int BN, bool KVF>
+template <int D, int BN, bool KVF, bool QT>
 __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi, int next, prod_item &nxt,
                                         const CUtensorMap *tm, uint32_t base, ring_pos &rp, uint32_t bar_aux,
                                         uint32_t &aux_ph) {
-  using L = layout<D, BN>;
+  using L = layout<D, BN, QT>;
   const int kt_begin = pi.kt_begin, kt_end = pi.kt_end, w0_min = pi.w0_min, p_max = pi.p_max;
   const int lane = threadIdx.x & 31;
   const uint32_t bar_full = base + L::BAR_FULL, bar_empty = base + L::BAR_EMPTY;
@@ -264,7 +269,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
       mbar_arrive(bar_full + 8 * st);
     }
     if (++st == rp.end) st = rp.first, round++;
-    if (next >= 0) nxt = prod_load<D, BN>(a, next, lane);
+    if (next >= 0) nxt = prod_load<D, BN, QT>(a, next, lane);
   }
   for (int kt = kt_begin; kt <= kt_end; kt++) {
     if (kt - bt0 == tpb) {
@@ -318,7 +323,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
       if (lane == 0) mbar_arrive(bar_full + 8 * st);
     }
     if (++st == rp.end) st = rp.first, round++;
-    if (kt == kt_next && next >= 0) nxt = prod_load<D, BN>(a, next, lane);
+    if (kt == kt_next && next >= 0) nxt = prod_load<D, BN, QT>(a, next, lane);
   }
   rp.st = st, rp.round = round;
 }
@@ -334,7 +339,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
 template <int D, int BN>
 __device__ __forceinline__ void produce_q(const da_cu_args &a, const prod_item &pi, int k, const CUtensorMap *tmq,
                                           uint32_t base) {
-  using L = layout<D, BN>;
+  using L = layout<D, BN, true>;
   const int b = k & 1;
   mbar_wait(base + L::BAR_QEMPTY + 8 * b, ((k >> 1) & 1) ^ 1);
   if ((threadIdx.x & 31) == 0) {
@@ -374,10 +379,10 @@ __device__ __forceinline__ void produce_q(const da_cu_args &a, const prod_item &
  * others' MMAs. All run the same number of slots (tiles they skip included), so the turns
  * pair up; this form keeps the per-segment schedule, drained at split ends.
  */
-template <int D, int BN, bool BF16, bool PIPE, bool CAP>
+template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool QT>
 __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir, uint32_t base, int cw, int wrow,
                                        int pingpong, ring_pos &rp, uint32_t &turn_ph, int qtma) {
-  using L = layout<D, BN>;
+  using L = layout<D, BN, QT>;
   constexpr int NTS = BN / 8; /* n8 fragments of a score tile */
   const da_cu_attn &at = ir.at;
   const da_cu_item &it = ir.it;
@@ -431,7 +436,8 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
     if (lane == 0) st_shared_u32(qk, (uint32_t)(k + 1));
   }
   /* warp_uniform: the buffer's offset in a uniform register, as the descriptors built on it */
-  const uint32_t q_o = warp_uniform(q_tma && (k & 1) ? L::OFF_Q1 : L::OFF_Q);
+  uint32_t q_o = L::OFF_Q;
+  if constexpr (L::QTMA) q_o = warp_uniform(q_tma && (k & 1) ? L::OFF_Q1 : L::OFF_Q);
   const uint32_t q_s = base + q_o + cw * L::Q_B;
   da_pdl_wait(); /* pdl.cuh: Q (a gather kernel may have staged it) and every write after */
   if (q_tma && k > 0) { /* the previous item's Q: every wgmma of this warp's that read it is done */
@@ -487,6 +493,7 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
 
   /* Descriptors of stage 0's K (k-step 0) and V (key step 0); a stage is TILE_B further. */
   const uint64_t dk0 = desc_kmajor(base + L::OFF_K), dv0 = desc_mnmajor(base + L::OFF_V, BN * 128);
+  const uint64_t dq = desc_kmajor(q_s); /* without Q by TMA */
 
   /* K-major operand (K: BN rows, or Q in shared memory: 64) of k-step kk: its 64-column
    * block, then 32 bytes a k16 step inside it. */
@@ -502,13 +509,18 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
     for (int kk = 0; kk < NK; kk++) db[kk] = kstep(dk, kk, BN);
     if constexpr (L::QS) {
       uint64_t da[NK];
-      /* Q's descriptors made at each issue from an opaque copy of the buffer's offset: hoisted
-       * out of the loops as invariants they would take eight registers (ptxas spilled). */
-      uint32_t qo = q_o;
-      asm volatile("" : "+r"(qo));
-      const uint64_t dq = desc_kmajor(base + qo + cw * L::Q_B);
+      if constexpr (L::QTMA) {
+        /* Q's descriptors made at each issue from an opaque copy of the buffer's offset:
+         * hoisted out of the loops as invariants they would take eight registers (spilled). */
+        uint32_t qo = q_o;
+        asm volatile("" : "+r"(qo));
+        const uint64_t dqb = desc_kmajor(base + qo + cw * L::Q_B);
 #pragma unroll
-      for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk, 64);
+        for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dqb, kk, 64);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < NK; kk++) da[kk] = kstep(dq, kk, 64);
+      }
       wg_chain_s_ss8_z<BF16>(s, da, db);
     } else {
       wg_chain_s_rs4_z<BF16>(s, qf, db);
@@ -839,11 +851,11 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
  * stay in the L2 for the combine. A template flag, not a branch: the untaken branch in the
  * producer cost short decode steps 2 % (NOTES v5.13); built for head_dim 128, T 64,
  * pipelined, no softcap (the decode shapes the benchmarks measure), the rest load as usual. */
-template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF>
+template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF, bool QT>
 __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
-    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, const __grid_constant__ CUtensorMap tmq,
-                   int n, int pingpong, int pipes, int nst, int qtma) {
-  using L = layout<D, BN>;
+    prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst,
+                   const __grid_constant__ CUtensorMap tmq, int qtma) {
+  using L = layout<D, BN, QT>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
    * it, and read the partials only after this grid has completed (da_pdl_wait). */
@@ -861,15 +873,17 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       mbar_init(base + L::BAR_AUX + 8 * c, 1);
       mbar_init(base + L::BAR_TURN + 8 * c, 4); /* the previous warpgroup's warps */
     }
-    for (int w = 0; w < 4 * L::NCW; w++) st_shared_u32(base + L::OFF_QK + 4 * w, 0u);
-    for (int b = 0; b < 2; b++) {
-      mbar_init(base + L::BAR_QFULL + 8 * b, 1);
-      mbar_init(base + L::BAR_QEMPTY + 8 * b, L::NCW * 4); /* every consumer warp */
+    if constexpr (L::QTMA) {
+      for (int w = 0; w < 4 * L::NCW; w++) st_shared_u32(base + L::OFF_QK + 4 * w, 0u);
+      for (int b = 0; b < 2; b++) {
+        mbar_init(base + L::BAR_QFULL + 8 * b, 1);
+        mbar_init(base + L::BAR_QEMPTY + 8 * b, L::NCW * 4); /* every consumer warp */
+      }
     }
     mbar_init_fence();
   }
   if (threadIdx.x == 32) tma_prefetch_desc(&tm);
-  if (threadIdx.x == 64 && qtma) tma_prefetch_desc(&tmq);
+  if (L::QTMA && threadIdx.x == 64 && qtma) tma_prefetch_desc(&tmq);
   __syncthreads();
   DA_TRACE_IF(threadIdx.x == 0, 38); /* the block barrier passed */
 
@@ -884,7 +898,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       ring_pos rp = {w * nstp, 0, w * nstp, (w + 1) * nstp};
       uint32_t aux_ph = 0;
       const int i0 = (int)blockIdx.x * pipes + w;
-      prod_item cur = i0 < n ? prod_load<D, BN>(a, i0, threadIdx.x & 31) : prod_item{};
+      prod_item cur = i0 < n ? prod_load<D, BN, QT>(a, i0, threadIdx.x & 31) : prod_item{};
       DA_TRACE_IF(threadIdx.x == 0 && cur.pt != nullptr, 39); /* timing builds: the first item, its attention */
       /* Launched as a programmatic dependent (pdl.cuh): the first item, its attention and
        * page ids were staged before the kernel ahead of this one ran; tickets and K/V only
@@ -892,9 +906,11 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       da_pdl_wait();
       for (int i = i0 < n ? i0 : -1, k = 0; i >= 0; k++) {
         const int next = next_item(a, i, n, nv, threadIdx.x & 31);
-        if (L::QTMA && qtma) produce_q<D, BN>(a, cur, k, &tmq, base);
+        if constexpr (L::QTMA) {
+          if (qtma) produce_q<D, BN>(a, cur, k, &tmq, base);
+        }
         prod_item nxt = cur;
-        produce<D, BN, KVF>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
+        produce<D, BN, KVF, QT>(a, cur, next, nxt, &tm, base, rp, base + L::BAR_AUX + 8 * w, aux_ph);
         cur = nxt;
         i = next;
       }
@@ -920,7 +936,7 @@ __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
       mbar_arrive(base + L::BAR_TURN); /* warpgroup 0 first */
     const int i0 = (int)blockIdx.x * pipes + w;
     for (int i = i0 < n ? i0 : -1; i >= 0;)
-      i = consume<D, BN, BF16, PIPE, CAP>(a, cta_range<D, BN>(a, i), base, cw, pipes > 1 ? 0 : cw * 64, pingpong, rp,
+      i = consume<D, BN, BF16, PIPE, CAP, QT>(a, cta_range<D, BN>(a, i), base, cw, pipes > 1 ? 0 : cw * 64, pingpong, rp,
                                           turn_ph, qtma);
   }
 }
@@ -941,9 +957,16 @@ encode_fn get_encode() {
   return fn;
 }
 
-template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF = false>
+/* Q by TMA can run (QT's kernels): one ring, the staged queries' size known (q_tokens, int32
+ * coordinates) and G dividing 64 (a box is 64 / G tokens x G heads). */
+bool q_tma_fits(const da_cu_args *a, int pipes) {
+  const int G = a->n_q_heads / a->n_kv_heads;
+  return pipes == 1 && a->q_tokens > 0 && a->q_tokens < (1ll << 31) && G <= 64 && 64 % G == 0;
+}
+
+template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF = false, bool QT = false>
 cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes, cudaStream_t stream) {
-  using L = layout<D, BN>;
+  using L = layout<D, BN, QT>;
   /* The KV pool as a [rows][D] matrix: a row is one token of one (page, layer, K|V, kv head)
    * slab; a box is min(page_tokens, 64) rows x 64 columns, 128-byte swizzled. */
   const uint64_t rows = (uint64_t)a->n_pool_pages * a->n_layers * 2 * a->n_kv_heads * a->page_tokens;
@@ -960,13 +983,12 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
                       a->l2_promo == 256 ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
-  /* Q by TMA an item ahead (produce_q): Q in shared memory (head_dim 128), one ring, G dividing
-   * 64 (a box is 64 / G tokens x G heads) and the staged queries' size known (q_tokens). The
-   * staged queries as [q_tokens][n_q_heads][D]. */
+  /* Q by TMA an item ahead (produce_q; QT's kernels where q_tma_fits): the staged queries as
+   * [q_tokens][n_q_heads][D]. */
   const int G = a->n_q_heads / a->n_kv_heads;
   CUtensorMap tmq;
   memset(&tmq, 0, sizeof(tmq));
-  int qtma = L::QTMA && pipes == 1 && a->q_tokens > 0 && a->q_tokens < (1ll << 31) && G <= 64 && 64 % G == 0;
+  const int qtma = L::QTMA && q_tma_fits(a, pipes);
   if (qtma) {
     const cuuint64_t qdims[3] = {(cuuint64_t)D, (cuuint64_t)a->n_q_heads, (cuuint64_t)a->q_tokens};
     const cuuint64_t qstrides[2] = {(cuuint64_t)D * 2, (cuuint64_t)a->n_q_heads * D * 2};
@@ -983,7 +1005,7 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   if (dev >= 64 || !(configured & (1ull << dev))) {
-    e = cudaFuncSetAttribute(prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(prefill_kernel<D, BN, BF16, PIPE, CAP, KVF, QT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              L::bytes(L::NST_MAX));
     if (e != cudaSuccess) return e;
     if (dev < 64) configured |= 1ull << dev;
@@ -994,12 +1016,22 @@ cudaError_t launch(const da_cu_args *a, int n, int grid, int pingpong, int pipes
   cudaLaunchAttribute attr;
   const size_t smem = qtma ? L::bytes_qtma() : L::bytes(nst);
   const cudaLaunchConfig_t lc = da_pdl_config((unsigned)grid, cta<D, BN>::NTHREADS, smem, stream, &attr, true);
-  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP, KVF>, *a, tm, tmq, n, pingpong, pipes, nst, qtma);
+  return cudaLaunchKernelEx(&lc, prefill_kernel<D, BN, BF16, PIPE, CAP, KVF, QT>, *a, tm, n, pingpong, pipes, nst, tmq,
+                            qtma);
 }
 
 template <int BN, bool CAP>
-int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, bool kvf, cudaStream_t stream) {
+int dispatch(const da_cu_args *a, int n, int grid, bool pipe, int pp, int pipes, bool kvf, bool decode,
+             cudaStream_t stream) {
   constexpr bool KVF_BUILT = BN == 64 && !CAP; /* see prefill_kernel */
+  /* Q by TMA (QT): built for head_dim 128, T 64, the pipelined forms (prefill's defaults), and
+   * not for decode-only launches (decode: 64 rows of Q loaded for at most 16, ahead of the
+   * first K/V tile; B 1 L 1k was 4 % slower with it, NOTES v5.17) */
+  if constexpr (BN == 64) {
+    if (a->head_dim == 128 && pipe && !decode && q_tma_fits(a, pipes))
+      return a->bf16 ? (int)launch<128, BN, true, true, CAP, false, true>(a, n, grid, pp, pipes, stream)
+                     : (int)launch<128, BN, false, true, CAP, false, true>(a, n, grid, pp, pipes, stream);
+  }
   switch (a->head_dim * 4 + (a->bf16 ? 2 : 0) + (pipe ? 1 : 0)) {
   case 64 * 4 + 3: return (int)launch<64, BN, true, true, CAP>(a, n, grid, pp, pipes, stream);
   case 64 * 4 + 2: return (int)launch<64, BN, true, false, CAP>(a, n, grid, 0, pipes, stream);
@@ -1039,12 +1071,13 @@ extern "C" int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream
   da_cu_args d = *a;
   if (per_item || n <= grid * pipes) d.ticket = nullptr; /* nothing left to deal */
   a = &d;
-  const bool kvf = a->kv_stream && (variant & DA_CU_SM90_PIPES); /* decode only: prefill_kernel's KVF */
+  const bool decode = variant & DA_CU_SM90_PIPES; /* a decode-only launch (pipes where they fit) */
+  const bool kvf = a->kv_stream && decode;        /* prefill_kernel's KVF */
   switch (a->tile_tokens * 2 + (a->softcap ? 1 : 0)) {
-  case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, kvf, stream);
-  case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, kvf, stream);
-  case 128 * 2 + 1: return dispatch<128, true>(a, n, grid, pipe, pp, pipes, kvf, stream);
-  case 128 * 2: return dispatch<128, false>(a, n, grid, pipe, pp, pipes, kvf, stream);
+  case 64 * 2 + 1: return dispatch<64, true>(a, n, grid, pipe, pp, pipes, kvf, decode, stream);
+  case 64 * 2: return dispatch<64, false>(a, n, grid, pipe, pp, pipes, kvf, decode, stream);
+  case 128 * 2 + 1: return dispatch<128, true>(a, n, grid, pipe, pp, pipes, kvf, decode, stream);
+  case 128 * 2: return dispatch<128, false>(a, n, grid, pipe, pp, pipes, kvf, decode, stream);
   }
   return (int)cudaErrorInvalidValue;
 }
