@@ -21,6 +21,7 @@ import sys
 
 ENTRY = re.compile(r"^(?:\.visible )?\.entry (\S+)\($")
 REG = re.compile(r"%(rd|r|f|fd|p|rs|h|hh)\d+\b")
+NS = re.compile(r"_GLOBAL__N__[0-9a-f]+_")  # the anonymous namespace's hash, per file path
 
 
 def entries(path):
@@ -39,7 +40,7 @@ def entries(path):
         while k < len(lines) and not ENTRY.match(lines[k]) and not lines[k].startswith("\t// .globl"):
             k += 1
         t = re.search(r"I(L.*?)EEv", name)
-        key = tuple(int(x) for x in re.findall(r"L[ib](\d+)", t.group(1))) if t else (name,)
+        key = tuple(int(x) for x in re.findall(r"L[ib](\d+)", t.group(1))) if t else (NS.sub("", name),)
         out[key] = (name, lines[j:k])
         i = k
     return out
@@ -47,7 +48,7 @@ def entries(path):
 
 def norm(name, body):
     s = "\n".join(body).replace(name, "K")
-    s = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "NS_", s)
+    s = NS.sub("NS_", s)
     return re.sub(r"\$L__BB\d+_", "$L__BB_", s)
 
 
