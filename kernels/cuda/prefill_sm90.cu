@@ -28,8 +28,9 @@
  * producer before they are published, so poison (unwritten pages, NaN in tests) never
  * reaches an MMA. In prefill launches at head_dim 128 on one ring (QT) the producer also
  * loads each item's Q by TMA (produce_q) into one of two Q buffers, an item ahead, so an
- * item's start waits for no Q load. A batch of decode rows only, all in-row, runs as pipes (prefill_kernel): each
- * consumer warpgroup with a producer warp and a share of the stages of its own.
+ * item's start waits for no Q load. A batch of decode rows only, all in-row, runs as pipes
+ * (prefill_kernel): each consumer warpgroup with a producer warp and a share of the stages
+ * of its own.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -855,6 +856,8 @@ template <int D, int BN, bool BF16, bool PIPE, bool CAP, bool KVF, bool QT>
 __global__ void __launch_bounds__(cta<D, BN>::NTHREADS, 1)
     prefill_kernel(const da_cu_args a, const __grid_constant__ CUtensorMap tm, int n, int pingpong, int pipes, int nst,
                    const __grid_constant__ CUtensorMap tmq, int qtma) {
+  /* qtma is 1 in every QT launch and 0 in the rest; kept a runtime argument so that the QT
+   * kernels stay the instructions the GPU tests and the A/B ran (NOTES v5.17) */
   using L = layout<D, BN, QT>;
   /* The combine (combine.cu), launched next as a programmatic dependent, may be scheduled
    * once every CTA of this grid has started: its CTAs take an SM as this grid's CTAs leave
