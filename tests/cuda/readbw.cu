@@ -120,15 +120,16 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * box3 (tm a 3D map over (column, row, column block)): each lane issues two 4 KB boxes (K, V:
  * 16 rows x both column blocks) instead of four 2 KB ones; the bytes land [block][row] per
  * page, not [block][64 rows] per tile (a layout the wgmma descriptors would have to follow):
- * whether the box size caps the stream. */
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void *tm, int c0, int c1, int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(tm)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
+ * whether the box size caps the stream.
+ * contig (tm a map of 64-row boxes): stream s reads its own contiguous run instead, tile i's K
+ * at rows 64 (s per + i) of the pool's first half and its V at the same rows of the second
+ * (8 KB boxes, one lane): the layout of a contiguous [sequence, kv head, token] K/V as the
+ * peers read it, the same bytes a stream as the paged forms: whether pages cost the stream.
+ * hold: the consumer keeps each stage that many SM cycles before releasing it, as the
+ * attention's tile update does (~0.75 us at 1.98 GHz, v5.7): what that costs the stream. */
 __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
-                                                    int n_pages, int per, int nst, int box3, uint32_t *sink) {
+                                                    int n_pages, int per, int nst, int box3, int contig, int hold,
+                                                    uint32_t *sink) {
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
@@ -149,7 +150,15 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
       const uint32_t kd = stages + (uint32_t)(w * nst + st) * TILE_B, vd = kd + TILE_B / 2;
       if (lane == 0) mbar_arrive_tx(full(st), TILE_B);
       __syncwarp();
-      if (lane < 4) {
+      if (contig) {
+        if (lane == 0) {
+          const int krow = (int)(((size_t)s * per + i) * 64), vrow = krow + n_pages * 128;
+          for (int cb = 0; cb < 2; cb++) {
+            tma_load_2d(kd + cb * 64 * 128, &tm, cb * 64, krow, full(st));
+            tma_load_2d(vd + cb * 64 * 128, &tm, cb * 64, vrow, full(st));
+          }
+        }
+      } else if (lane < 4) {
         const size_t k = ((size_t)(s / 8) * per + i) * 4 + lane;
         const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
         const int row = pg * 256 + kvh * 16;
@@ -170,6 +179,8 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
       const int st = i % nst;
       mbar_wait(full(st), (i / nst) & 1);
       x ^= *reinterpret_cast<volatile uint32_t *>(smem + 1024 + (size_t)(w * nst + st) * TILE_B + (i & 63) * 4);
+      for (const long long t0 = clock64(); clock64() - t0 < hold;) {
+      }
       mbar_arrive(empty(st));
     }
     if (x == 0x9e3779b9u) *sink = x;
@@ -305,9 +316,9 @@ int main() {
     cudaDriverEntryPointQueryResult qr;
     CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
     const int n_pages = (int)(bytes / 65536);
-    CUtensorMap tm, tmn, tm3;
+    CUtensorMap tm, tmn, tm3, tmc;
     const cuuint64_t dims[2] = {128, (cuuint64_t)n_pages * 256}, strides[1] = {256};
-    const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1};
+    const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1}, boxc[2] = {64, 64};
     /* The same pool as (64 columns, rows, 2 column blocks): a box of 16 rows takes both blocks. */
     const cuuint64_t dims3[3] = {64, (cuuint64_t)n_pages * 256, 2}, strides3[2] = {256, 128};
     const cuuint32_t box3[3] = {64, 16, 2}, estr3[3] = {1, 1, 1};
@@ -320,7 +331,8 @@ int main() {
     if (qr != cudaDriverEntryPointSuccess ||
         !encode(&tm, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_L2_256B) ||
         !encode(&tmn, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE) ||
-        !encode(&tm3, 3, dims3, strides3, box3, estr3, CU_TENSOR_MAP_L2_PROMOTION_L2_256B)) {
+        !encode(&tm3, 3, dims3, strides3, box3, estr3, CU_TENSOR_MAP_L2_PROMOTION_L2_256B) ||
+        !encode(&tmc, 2, dims, strides, boxc, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE)) {
       fprintf(stderr, "readbw: no tensor map\n");
       return 1;
     }
@@ -331,22 +343,39 @@ int main() {
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
     /* Forms: 2 KB boxes with 256-byte L2 promotion, the same with none (the kernel's choice
-     * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256. */
-    for (int form = 0; form < 3; form++) {
-      const int b3 = form == 2;
-      for (int shuffled = 0; shuffled < 2; shuffled++) {
+     * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256, contiguous streams
+     * (8 KB boxes, no promotion; no page order). */
+    for (int form = 0; form < 4; form++) {
+      const int b3 = form == 2, contig = form == 3;
+      for (int shuffled = 0; shuffled < 2 - contig; shuffled++) {
         for (auto v : tv) {
-          const int per = 65536 / (v.grid * v.pipes);
+          const int per = 65536 / (v.grid * v.pipes); /* contig: 64 per grid pipes <= half the rows */
           const double moved = (double)per * v.grid * v.pipes * TILE_B;
           const float bt = best_ms(e0, e1, [&] {
             tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(
-                b3 ? tm3 : form == 1 ? tmn : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, sink);
+                contig ? tmc : b3 ? tm3 : form == 1 ? tmn : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, contig, 0, sink);
           });
           if (bt < 0) return 1;
-          printf("decode stream (TMA boxes of %s, L2 promotion %s), pages %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
-                 b3 ? "4 KB" : "2 KB", form == 1 ? "none" : "256", shuffled ? "shuffled" : "in order", v.grid, v.pipes, v.pipes > 1 ? "s" : " ",
-                 v.nst, bt, moved / bt / 1e9);
+          printf("decode stream (TMA boxes of %s, L2 promotion %s), %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
+                 contig ? "8 KB" : b3 ? "4 KB" : "2 KB", form == 1 || contig ? "none" : "256",
+                 contig ? "contiguous streams" : shuffled ? "pages shuffled" : "pages in order", v.grid, v.pipes,
+                 v.pipes > 1 ? "s" : " ", v.nst, bt, moved / bt / 1e9);
         }
+      }
+    }
+    /* The decode form's stream (2 KB boxes, no promotion, 128 CTAs x 2 rings of 3) with the
+     * consumer holding each stage, pages in order and shuffled, and contiguous streams. */
+    for (int hold : {0, 750, 1500, 3000}) {
+      for (int form = 0; form < 3; form++) { /* in order, shuffled, contiguous */
+        const int per = 65536 / 256;
+        const double moved = (double)per * 256 * TILE_B;
+        const float bt = best_ms(e0, e1, [&] {
+          tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(form == 2 ? tmc : tmn, form == 1 ? dperm : nullptr, n_pages, per,
+                                                          3, 0, form == 2, hold, sink);
+        });
+        if (bt < 0) return 1;
+        printf("decode stream, consumer holding a stage %4d cycles, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n", hold,
+               form == 2 ? "contiguous streams" : form == 1 ? "pages shuffled" : "pages in order", bt, moved / bt / 1e9);
       }
     }
     CHECK(cudaFree(dperm));
