@@ -187,6 +187,60 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
   }
 }
 
+/* cuDNN's way (its decode kernel on the H200 is an sm_80 one, NOTES v5.10: two 128-thread CTAs
+ * an SM, cp.async, no TMA): every thread of the CTA issues 16-byte cp.async copies of its
+ * share of a 32 KB tile (the tile of tma_kernel: 64 tokens of K and of V, 4 pages of one kv
+ * head, or a contiguous run), nst stages, wait_group then a barrier; no arithmetic. Stream s =
+ * CTA s. pf: the L2 prefetch size on each copy (0 none, 1 128 B, 2 256 B). Whether the load
+ * path, not the access pattern, is what cuDNN's decode has over ours (4.70 against 4.54 TB/s
+ * at B 32 L 64k, v5.18). */
+__global__ void __launch_bounds__(128) cp_kernel(const char *p, const uint32_t *perm, int n_pages, int per, int nst,
+                                                int contig, int pf, uint32_t *sink) {
+  extern __shared__ __align__(1024) char smem[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  const int s = blockIdx.x, kvh = s % 8;
+  auto issue = [&](int i) {
+    const uint32_t st = base + (uint32_t)(i % nst) * TILE_B;
+#pragma unroll /* m constant: the page of each copy folds to a shift (n_pages is a power of 2) */
+    for (int m = 0; m < TILE_B / 16 / 128; m++) {
+      const int off = (threadIdx.x + 128 * m) * 16, half = off / (TILE_B / 2), o = off % (TILE_B / 2);
+      const char *src;
+      if (contig) {
+        src = p + (size_t)half * n_pages * 32768 + ((size_t)s * per + i) * (TILE_B / 2) + o;
+      } else {
+        const uint32_t k = ((uint32_t)(s / 8) * per + i) * 4 + o / 4096 & (n_pages - 1);
+        const size_t pg = perm ? perm[k] : k;
+        src = p + (pg * 256 + kvh * 16 + half * 128) * 256 + o % 4096;
+      }
+      if (pf == 0)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(st + off), "l"(src) : "memory");
+      else if (pf == 1)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(st + off), "l"(src) : "memory");
+      else
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(st + off), "l"(src) : "memory");
+    }
+  };
+  for (int i = 0; i < nst - 1 && i < per; i++) {
+    issue(i);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  uint32_t x = 0;
+  for (int i = 0; i < per; i++) {
+    if (i + nst - 1 < per) issue(i + nst - 1);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    if (nst == 2) /* wait_group takes an immediate: tile i landed, nst - 1 younger groups in flight */
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else if (nst == 3)
+      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+    else
+      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+    __syncthreads();
+    x ^= *reinterpret_cast<volatile uint32_t *>(smem + (size_t)(i % nst) * TILE_B + threadIdx.x * 4);
+    __syncthreads();
+  }
+  if (x == 0x9e3779b9u) *sink = x;
+}
+
 __global__ void copy_kernel(const uint4 *p, uint4 *q, size_t n) {
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) q[i] = p[i];
 }
@@ -376,6 +430,29 @@ int main() {
         if (bt < 0) return 1;
         printf("decode stream, consumer holding a stage %4d cycles, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n", hold,
                form == 2 ? "contiguous streams" : form == 1 ? "pages shuffled" : "pages in order", bt, moved / bt / 1e9);
+      }
+    }
+    /* cuDNN's load path (cp_kernel): two CTAs an SM (256 on 128 SMs: B 32's streams, and 2 an
+     * SM on every SM), 2-4 stages (nst 4 is one CTA an SM's worth of shared memory: 128 KB). */
+    for (int pf = 0; pf < 3; pf++) {
+      for (int form = 0; form < 3; form++) { /* contiguous, in order, shuffled */
+        for (int g : {256, 2 * nsm}) {
+          for (int nst : {2, 3, 4}) {
+            if (g != 256 && nst != 3) continue;
+            const int per = 65536 / g;
+            const double moved = (double)per * g * TILE_B;
+            CHECK(cudaFuncSetAttribute(cp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * TILE_B));
+            const float bt = best_ms(e0, e1, [&] {
+              cp_kernel<<<g, 128, nst * TILE_B>>>(reinterpret_cast<const char *>(p), form == 2 ? dperm : nullptr, n_pages,
+                                                  per, nst, form == 0, pf, sink);
+            });
+            if (bt < 0) return 1;
+            printf("cp.async stream (L2 prefetch %s), %s, %3d CTAs of 128 x %d stages: %.3f ms, %.3f TB/s\n",
+                   pf == 0 ? "none" : pf == 1 ? "128" : "256",
+                   form == 0 ? "contiguous streams" : form == 2 ? "pages shuffled" : "pages in order", g, nst, bt,
+                   moved / bt / 1e9);
+          }
+        }
       }
     }
     CHECK(cudaFree(dperm));
