@@ -54,6 +54,7 @@ typedef struct cuda_ctx {
   int partial_per;  /* DA_CUDA_PARTIAL_PER=k (experiments): k splits per partial item; 0 the planner's */
   int deal;         /* prefill_sm90.cu's persistent grid: DEAL_* (DA_CUDA_SM90_DEAL) */
   int l2_promo;     /* args.l2_promo (l2_promo_env) */
+  int kv_stream_ok; /* DA_CUDA_KV_STREAM (experiments): 0 never sets args.kv_stream, 1 by size (default) */
   int *ticket;      /* its ticket counter (device, 2 ints, 0 between launches) */
   int sm90_pipes;   /* batches of such blocks only: 0 as any batch, else the variant (DA_CU_SM90_PIPES |
                        form) they run as: pipelined, or serial with DA_CUDA_SM90_DECODE=pipes-serial or
@@ -293,6 +294,14 @@ static int l2_promo_env(const struct cudaDeviceProp *prop, int *promo, char *err
   return env_pick("DA_CUDA_L2_PROMO", names, sizeof(names) / sizeof(names[0]), dflt, promo, err, errlen);
 }
 
+/* DA_CUDA_KV_STREAM (experiments): auto (default) streams K/V (args.kv_stream: decode loads
+ * evict_first, the combine drops its partials' lines) in launches whose K/V exceed the L2;
+ * 0 never. The bits never depend on it. */
+static int kv_stream_env(int *ok, char *err, size_t errlen) {
+  static const env_choice names[] = {{"auto", 1}, {"0", 0}};
+  return env_pick("DA_CUDA_KV_STREAM", names, sizeof(names) / sizeof(names[0]), 1, ok, err, errlen);
+}
+
 /* DA_CUDA_SM90_QTMA, how prefill_sm90.cu's consumers get Q at head_dim 128 (prefill launches,
  * one ring): 1, by TMA from the producer warp an item ahead into a second Q buffer (the
  * default; NOTES.md v5.17: B 8 L 4k 2.2-3.3 % faster on an H200), or 0, loaded and stored by
@@ -373,6 +382,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = deal_env(&c->deal, err, errlen);
     if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
     if (rv == 0) rv = q_tma_env(&c->q_tma, err, errlen);
+    if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
@@ -833,7 +843,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
-  g->kv_stream = pl->kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
+  g->kv_stream = c->kv_stream_ok && pl->kv_tokens * m->n_kv_heads * m->head_dim * 4 > c->l2_bytes;
   g->l2_promo = c->l2_promo;
   g->q_tokens = c->q_tma ? pl->n_q_el / ((int64_t)m->n_q_heads * m->head_dim) : 0;
   c->launch_pipes = pl->pipes > 1;

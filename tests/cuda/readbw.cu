@@ -7,16 +7,20 @@
  * one kv head at head_dim 128 is 4 KB; 64 tokens 16 KB) at shuffled places, each CTA a run
  * of chunks as a decode item walks its page table: whether scattered pages, not the kernel,
  * cap the decode read rate; those pages by bulk (TMA) copies into a ring of 32 KB stages; and
- * the decode kernel's own K/V stream (tensor-map boxes over the pool's layout, no attention).
+ * the decode kernel's own K/V stream (tensor-map boxes over the pool's layout, no attention);
+ * the same tiles by cuDNN's load path (cp.async from every thread of two CTAs an SM).
  * Best of five timed launches after a warm-up.
- * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary).
+ * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary);
+ * `READBW=big bash tests/cuda/run_gpu.sh ceiling`: the stream forms only, over 8 GiB.
  */
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 #include <cudaTypedefs.h>
 
-#include "sm90.cuh" /* mbarriers and TMA: the attention kernels' own */
+#include "numerics.cuh" /* the L2 policies */
+#include "sm90.cuh"     /* mbarriers and TMA: the attention kernels' own */
 
 using namespace da_sm90;
 
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * attention's tile update does (~0.75 us at 1.98 GHz, v5.7): what that costs the stream. */
 __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
                                                     int n_pages, int per, int nst, int box3, int contig, int hold,
-                                                    uint32_t *sink) {
+                                                    int ef, uint32_t *sink) {
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
@@ -167,8 +171,13 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
           tma_load_3d(vd + lane * 2 * 16 * 128, &tm, 0, row + 128, 0, full(st));
         } else {
           for (int cb = 0; cb < 2; cb++) {
-            tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
-            tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
+            if (ef) { /* the decode kernel's loads where K/V exceed the L2 (KVF) */
+              tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st), da_l2_evict_first());
+              tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st), da_l2_evict_first());
+            } else {
+              tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
+              tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
+            }
           }
         }
       }
@@ -286,8 +295,12 @@ template <class F> float best_ms(cudaEvent_t e0, cudaEvent_t e1, F launch) {
   return best;
 }
 
-int main() {
-  const size_t bytes = 2ull << 30, n = bytes / 16;
+int main(int argc, char **argv) {
+  /* `readbw big`: the stream forms only, over 8 GiB (a decode step of B 32 L 64k reads 8.6 GB
+   * in ~1.9 ms; 2 GiB in ~0.48 ms leaves the launch's ramp and tail in the rate). */
+  const bool big = argc > 1 && strcmp(argv[1], "big") == 0;
+  const size_t bytes = (big ? 8ull : 2ull) << 30, n = bytes / 16;
+  const int n_tiles = (int)(bytes / TILE_B);
   uint4 *p = nullptr, *q = nullptr;
   uint32_t *sink = nullptr;
   CHECK(cudaMalloc(&p, bytes));
@@ -306,11 +319,13 @@ int main() {
   printf("%s, %d SMs\n", prop.name, nsm);
   const int grids[] = {nsm, nsm - 4, 3 * nsm / 4, nsm / 2, nsm / 3, nsm / 4};
   for (int g : grids) {
+    if (big && g < nsm - 4) break;
     const float best = best_ms(e0, e1, [&] { read_kernel<<<g, 1024, SMEM>>>(p, n, sink); });
     if (best < 0) return 1;
     printf("read, %3d SMs: %.3f ms, %.3f TB/s, %.1f GB/s an SM\n", g, best, bytes / best / 1e9, bytes / best / 1e6 / g);
   }
   for (int per_sm : {2, 4, 8}) {
+    if (big) break;
     const int g = nsm * per_sm;
     const size_t len = n / (size_t)g;
     const float b4 = best_ms(e0, e1, [&] { slab_kernel<4><<<g, 256>>>(p, len, sink); });
@@ -320,12 +335,13 @@ int main() {
     printf("slabs, %d x 256-thread CTAs a SM, 4 / 8 loads in flight a thread: %.3f / %.3f TB/s\n", per_sm,
            moved / b4 / 1e9, moved / b8 / 1e9);
   }
-  const float best = best_ms(e0, e1, [&] { copy_kernel<<<nsm * 8, 256>>>(p, q, n / 2); });
+  const float best = big ? 1 : best_ms(e0, e1, [&] { copy_kernel<<<nsm * 8, 256>>>(p, q, n / 2); });
   if (best < 0) return 1;
-  printf("copy, 1 GiB read + 1 GiB written: %.3f ms, %.3f TB/s moved\n", best, bytes / best / 1e9);
+  if (!big) printf("copy, 1 GiB read + 1 GiB written: %.3f ms, %.3f TB/s moved\n", best, bytes / best / 1e9);
   /* Chunked reads: 4 KB (16-token pages), 16 KB (64-token pages), 64 KB; in order and at
    * shuffled places (a fixed xorshift Fisher-Yates), all SMs and the decode grid's 128. */
   for (int kb : {4, 16, 64}) {
+    if (big) break;
     const int shift = __builtin_ctz((unsigned)kb * 1024 / 16);
     const size_t nchunk = bytes / ((size_t)kb * 1024);
     uint32_t *h = new uint32_t[nchunk];
@@ -400,14 +416,16 @@ int main() {
      * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256, contiguous streams
      * (8 KB boxes, no promotion; no page order). */
     for (int form = 0; form < 4; form++) {
+      if (big && (form == 0 || form == 2)) continue; /* big: no promotion, 2 KB boxes and contiguous */
       const int b3 = form == 2, contig = form == 3;
       for (int shuffled = 0; shuffled < 2 - contig; shuffled++) {
         for (auto v : tv) {
-          const int per = 65536 / (v.grid * v.pipes); /* contig: 64 per grid pipes <= half the rows */
+          if (big && v.pipes == 1) continue;
+          const int per = n_tiles / (v.grid * v.pipes); /* contig: 64 per grid pipes <= half the rows */
           const double moved = (double)per * v.grid * v.pipes * TILE_B;
           const float bt = best_ms(e0, e1, [&] {
             tma_kernel<<<v.grid, 64 * v.pipes, 1024 + v.pipes * v.nst * TILE_B>>>(
-                contig ? tmc : b3 ? tm3 : form == 1 ? tmn : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, contig, 0, sink);
+                contig ? tmc : b3 ? tm3 : form == 1 ? tmn : tm, shuffled ? dperm : nullptr, n_pages, per, v.nst, b3, contig, 0, 0, sink);
           });
           if (bt < 0) return 1;
           printf("decode stream (TMA boxes of %s, L2 promotion %s), %s, %3d CTAs x %d ring%s of %d: %.3f ms, %.3f TB/s\n",
@@ -417,15 +435,28 @@ int main() {
         }
       }
     }
+    /* The decode form's stream with evict_first loads, as the kernel loads K/V that exceed the
+     * L2 (KVF): pages in order and shuffled, 128 CTAs x 2 rings of 3. */
+    for (int shuffled = 0; shuffled < 2; shuffled++) {
+      const int per = n_tiles / 256;
+      const double moved = (double)per * 256 * TILE_B;
+      const float bt = best_ms(e0, e1, [&] {
+        tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(tmn, shuffled ? dperm : nullptr, n_pages, per, 3, 0, 0, 0, 1, sink);
+      });
+      if (bt < 0) return 1;
+      printf("decode stream, evict_first loads, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n",
+             shuffled ? "pages shuffled" : "pages in order", bt, moved / bt / 1e9);
+    }
     /* The decode form's stream (2 KB boxes, no promotion, 128 CTAs x 2 rings of 3) with the
      * consumer holding each stage, pages in order and shuffled, and contiguous streams. */
     for (int hold : {0, 750, 1500, 3000}) {
+      if (big) break;
       for (int form = 0; form < 3; form++) { /* in order, shuffled, contiguous */
-        const int per = 65536 / 256;
+        const int per = n_tiles / 256;
         const double moved = (double)per * 256 * TILE_B;
         const float bt = best_ms(e0, e1, [&] {
           tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(form == 2 ? tmc : tmn, form == 1 ? dperm : nullptr, n_pages, per,
-                                                          3, 0, form == 2, hold, sink);
+                                                          3, 0, form == 2, hold, 0, sink);
         });
         if (bt < 0) return 1;
         printf("decode stream, consumer holding a stage %4d cycles, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n", hold,
@@ -434,12 +465,12 @@ int main() {
     }
     /* cuDNN's load path (cp_kernel): two CTAs an SM (256 on 128 SMs: B 32's streams, and 2 an
      * SM on every SM), 2-4 stages (nst 4 is one CTA an SM's worth of shared memory: 128 KB). */
-    for (int pf = 0; pf < 3; pf++) {
+    for (int pf = 0; pf < (big ? 1 : 3); pf++) {
       for (int form = 0; form < 3; form++) { /* contiguous, in order, shuffled */
         for (int g : {256, 2 * nsm}) {
           for (int nst : {2, 3, 4}) {
             if (g != 256 && nst != 3) continue;
-            const int per = 65536 / g;
+            const int per = n_tiles / g;
             const double moved = (double)per * g * TILE_B;
             CHECK(cudaFuncSetAttribute(cp_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 4 * TILE_B));
             const float bt = best_ms(e0, e1, [&] {

@@ -8,7 +8,8 @@
 # launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL
 # (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
-# the decode kernel's own TMA stream (tests/cuda/readbw.cu); chain: cycles of one
+# the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
+# the stream forms only, over 8 GiB); chain: cycles of one
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu).
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
 # shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
@@ -23,7 +24,7 @@ quick=${2:-}
 OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
 if [ "$what" = ceiling ]; then
-  nvcc -O3 -gencode arch=compute_90,code=sm_90 -Ikernels/cuda tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" | tee "$OUT/ceiling.txt"
+  nvcc -O3 -gencode arch=compute_90,code=sm_90 -Ikernels/cuda tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" ${READBW:-} | tee "$OUT/ceiling.txt"
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = chain ]; then
