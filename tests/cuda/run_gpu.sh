@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|trace|pages] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|mergechain|trace|pages] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
@@ -10,7 +10,8 @@
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
 # the stream forms only, over 8 GiB); chain: cycles of one
-# warpgroup's serial tile chain (tests/cuda/tilechain.cu).
+# warpgroup's serial tile chain (tests/cuda/tilechain.cu); mergechain: cycles of a step of the
+# combine's lse chain (tests/cuda/mergechain.cu).
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
 # shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
 # each, then cuDNN's (sdpa_peer.py, contiguous K/V); a table of ms and x cuDNN.
@@ -25,6 +26,11 @@ OUT=${OUT:-/tmp/detattn-gpu}
 mkdir -p "$OUT"
 if [ "$what" = ceiling ]; then
   nvcc -O3 -gencode arch=compute_90,code=sm_90 -Ikernels/cuda tests/cuda/readbw.cu -o "$OUT/readbw" && "$OUT/readbw" ${READBW:-} | tee "$OUT/ceiling.txt"
+  exit "${PIPESTATUS[0]}"
+fi
+if [ "$what" = mergechain ]; then
+  nvcc -std=c++17 --fmad=false -gencode arch=compute_90,code=sm_90 -Ikernels/cuda tests/cuda/mergechain.cu \
+    -o "$OUT/mergechain" && "$OUT/mergechain" | tee "$OUT/mergechain.txt"
   exit "${PIPESTATUS[0]}"
 fi
 if [ "$what" = chain ]; then
