@@ -17,7 +17,8 @@
 # each, then cuDNN's (sdpa_peer.py, contiguous K/V); a table of ms and x cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
-# default forms, and prints each one's timeline (tests/cuda/trace_timeline.py); TRACE_OLD=dir
+# default forms, and prints each one's timeline (tests/cuda/trace_timeline.py); TRACE_ARGS: more
+# bench arguments (e.g. --contiguous: pages in order); TRACE_OLD=dir
 # (e.g. .ab-old, carried) traces that tree too and prints the two side by side.
 set -u
 what=${1:-all}
@@ -50,7 +51,7 @@ if [ "$what" = trace ]; then
   for v in wgmma-serial ""; do # DA_CUDA_PREFILL: the serial form, then the default
     f="$OUT/trace-${v:-default}"
     DA_CUDA_PREFILL=$v build-trace/bin/detattn-bench --backend cuda --one-decode "${TRACE_B:-1}" "${TRACE_L:-1024}" \
-      --split "${SPLIT:-512}" > "$f.csv" 2> "$f.txt" || { tail -5 "$f.txt"; exit 1; }
+      --split "${SPLIT:-512}" ${TRACE_ARGS:-} > "$f.csv" 2> "$f.txt" || { tail -5 "$f.txt"; exit 1; }
     echo "== ${v:-default}: $(grep fixedS "$f.csv" | cut -d, -f10-12,15) (ms, attn_ms, combine_ms, lat_ms; traced build)"
     python3 tests/cuda/trace_timeline.py "$f.txt" || exit 1
   done
