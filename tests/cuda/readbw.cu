@@ -11,8 +11,10 @@
  * the same tiles by cuDNN's load path (cp.async from every thread of two CTAs an SM).
  * Best of five timed launches after a warm-up.
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary);
- * `READBW=big bash tests/cuda/run_gpu.sh ceiling`: the stream forms only, over 8 GiB.
+ * `READBW=big bash tests/cuda/run_gpu.sh ceiling`: the stream forms only, over 8 GiB, each with
+ * how far apart its CTAs finished (one wave, equal work a CTA).
  */
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -25,6 +27,16 @@
 using namespace da_sm90;
 
 #define SMEM (150 * 1024) /* more than half an SM's shared memory: one CTA an SM */
+
+/* Each stream CTA's start and end (%globaltimer, ns) in the last launch of tma_kernel or
+ * cp_kernel: how far apart the CTAs of a one-wave grid with equal work finish (print_ends). */
+#define MAX_CTAS 1024
+__device__ unsigned long long cta_time[MAX_CTAS][2];
+__device__ __forceinline__ void stamp_cta(int k) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (threadIdx.x == 0 && blockIdx.x < MAX_CTAS) cta_time[blockIdx.x][k] = t;
+}
 
 __device__ __forceinline__ uint32_t ld_xor(const uint4 *p) {
   uint4 v;
@@ -137,6 +149,7 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
+  stamp_cta(0);
   auto full = [&](int st) { return bars + 16 * st; };
   auto empty = [&](int st) { return bars + 16 * st + 8; };
   if (role == 0 && lane == 0) {
@@ -194,6 +207,8 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
     }
     if (x == 0x9e3779b9u) *sink = x;
   }
+  __syncthreads();
+  stamp_cta(1);
 }
 
 /* cuDNN's way (its decode kernel on the H200 is an sm_80 one, NOTES v5.10: two 128-thread CTAs
@@ -208,6 +223,7 @@ __global__ void __launch_bounds__(128) cp_kernel(const char *p, const uint32_t *
   extern __shared__ __align__(1024) char smem[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
   const int s = blockIdx.x, kvh = s % 8;
+  stamp_cta(0);
   auto issue = [&](int i) {
     const uint32_t st = base + (uint32_t)(i % nst) * TILE_B;
 #pragma unroll /* m constant: the page of each copy folds to a shift (n_pages is a power of 2) */
@@ -248,6 +264,7 @@ __global__ void __launch_bounds__(128) cp_kernel(const char *p, const uint32_t *
     __syncthreads();
   }
   if (x == 0x9e3779b9u) *sink = x;
+  stamp_cta(1);
 }
 
 __global__ void copy_kernel(const uint4 *p, uint4 *q, size_t n) {
@@ -293,6 +310,20 @@ template <class F> float best_ms(cudaEvent_t e0, cudaEvent_t e1, F launch) {
     if (r > 0 && ms < best) best = ms;
   }
   return best;
+}
+
+/* The CTAs' ends in the last launch of a stream kernel on `grid` CTAs, us from the first
+ * start: first, median, last, and the last's lead over the first as a share of the step. */
+static void print_ends(int grid) {
+  static unsigned long long h[MAX_CTAS][2];
+  if (grid > MAX_CTAS || cudaMemcpyFromSymbol(h, cta_time, sizeof(h)) != cudaSuccess) return;
+  unsigned long long t0 = ~0ull;
+  for (int i = 0; i < grid; i++) t0 = h[i][0] < t0 ? h[i][0] : t0;
+  static double e[MAX_CTAS];
+  for (int i = 0; i < grid; i++) e[i] = (h[i][1] - t0) / 1e3;
+  std::sort(e, e + grid);
+  printf("  CTA ends: first %.1f, median %.1f, last %.1f us (first at %.1f %% of the last)\n", e[0], e[grid / 2],
+         e[grid - 1], 100 * e[0] / e[grid - 1]);
 }
 
 int main(int argc, char **argv) {
@@ -434,6 +465,7 @@ int main(int argc, char **argv) {
                  contig ? "8 KB" : b3 ? "4 KB" : "2 KB", form == 1 || contig ? "none" : "256",
                  contig ? "contiguous streams" : shuffled ? "pages shuffled" : "pages in order", v.grid, v.pipes,
                  v.pipes > 1 ? "s" : " ", v.nst, bt, moved / bt / 1e9);
+          if (big) print_ends(v.grid);
         }
       }
     }
@@ -484,6 +516,7 @@ int main(int argc, char **argv) {
                    pf == 0 ? "none" : pf == 1 ? "128" : "256",
                    form == 0 ? "contiguous streams" : form == 2 ? "pages shuffled" : "pages in order", g, nst, bt,
                    moved / bt / 1e9);
+            if (big && nst == 3) print_ends(g);
           }
         }
       }
