@@ -12,6 +12,8 @@ Usage: python3 tests/cuda/trace_timeline.py trace.txt [blocks to list, default 4
        python3 tests/cuda/trace_timeline.py --medians a.txt b.txt ...: a table of the main
        points' median and last time over the traced CTAs, one column per file (two trees or
        forms side by side; run_gpu.sh trace with TRACE_OLD prints it).
+       python3 tests/cuda/trace_timeline.py --busy a.txt ...: per tile slot, the consumer's
+       median busy time and its wait for the next tile (run_gpu.sh trace prints it too).
 """
 import collections
 import sys
@@ -49,9 +51,36 @@ def medians(paths):
         print(what + " | " + " | ".join(cells))
 
 
+def busy(paths):
+    """Per traced slot k (an item's first 16 tiles, consumer warpgroup 0): the median over the
+    traced CTAs of the consumer's busy time (slot k's data to slot k done) and of its wait for
+    the next tile (slot k done to slot k + 1's data), us; near-zero waits mean the consumer,
+    not the memory, sets the pace."""
+    for path in paths:
+        P, _, _ = load(path)
+        print("%s: slot | busy us (median) | wait us (median) | CTAs" % path)
+        all_busy, all_wait = [], []
+        for k in range(16):
+            b = sorted((v[20 + k] - v[4 + k]) / 1000.0 for v in P.values() if 4 + k in v and 20 + k in v)
+            w = sorted((v[5 + k] - v[20 + k]) / 1000.0 for v in P.values() if 20 + k in v and 5 + k in v and k < 15)
+            if not b:
+                continue
+            all_busy += b
+            all_wait += w
+            print("%d | %.3f | %s | %d" % (k, b[len(b) // 2], "%.3f" % w[len(w) // 2] if w else "-", len(b)))
+        if all_busy:
+            all_busy.sort()
+            all_wait.sort()
+            print("all slots | %.3f | %s |" % (all_busy[len(all_busy) // 2],
+                                               "%.3f" % all_wait[len(all_wait) // 2] if all_wait else "-"))
+
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--medians":
         medians(sys.argv[2:])
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "--busy":
+        busy(sys.argv[2:])
         return
     P, C, t0 = load(sys.argv[1])
 
