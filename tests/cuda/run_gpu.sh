@@ -54,7 +54,8 @@ if [ "$what" = trace ]; then
       --split "${SPLIT:-512}" ${TRACE_ARGS:-} > "$f.csv" 2> "$f.txt" || { tail -5 "$f.txt"; exit 1; }
     echo "== ${v:-default}: $(grep fixedS "$f.csv" | cut -d, -f10-12,15) (ms, attn_ms, combine_ms, lat_ms; traced build)"
     python3 tests/cuda/trace_timeline.py "$f.txt" || exit 1
-    python3 tests/cuda/trace_timeline.py --busy "$f.txt" > "$f.busy" && tail -1 "$f.busy"
+    python3 tests/cuda/trace_timeline.py --busy "$f.txt" > "$f.busy" &&
+      echo "consumer busy us / wait us a tile slot (medians): $(tail -1 "$f.busy")"
   done
   if [ -n "${TRACE_OLD:-}" ]; then # another source tree (e.g. .ab-old): the same, then both side by side
     ln -sfn "$PWD/.devdeps" "$TRACE_OLD/.devdeps"
