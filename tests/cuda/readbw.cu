@@ -183,14 +183,14 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
           tma_load_3d(kd + lane * 2 * 16 * 128, &tm, 0, row, 0, full(st));
           tma_load_3d(vd + lane * 2 * 16 * 128, &tm, 0, row + 128, 0, full(st));
         } else {
+          /* ef: evict_first, as the decode kernel loads K/V that exceed the L2 (KVF) */
+          auto load = [&](uint32_t dst, int c0, int r) {
+            if (ef) tma_load_2d(dst, &tm, c0, r, full(st), da_l2_evict_first());
+            else tma_load_2d(dst, &tm, c0, r, full(st));
+          };
           for (int cb = 0; cb < 2; cb++) {
-            if (ef) { /* the decode kernel's loads where K/V exceed the L2 (KVF) */
-              tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st), da_l2_evict_first());
-              tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st), da_l2_evict_first());
-            } else {
-              tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
-              tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
-            }
+            load(kd + cb * 64 * 128 + lane * 16 * 128, cb * 64, row);
+            load(vd + cb * 64 * 128 + lane * 16 * 128, cb * 64, row + 128);
           }
         }
       }
