@@ -12,7 +12,8 @@
  * Best of five timed launches after a warm-up.
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary);
  * `READBW=big bash tests/cuda/run_gpu.sh ceiling`: the stream forms only, over 8 GiB, each with
- * how far apart its CTAs finished (one wave, equal work a CTA).
+ * how far apart its CTAs finished (one wave, equal work a CTA); `READBW=release`: only the
+ * decode stream over 8 GiB under the consumer's release rules (tma_kernel's rel).
  */
 #include <algorithm>
 #include <cstdint>
@@ -142,18 +143,24 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * (8 KB boxes, one lane): the layout of a contiguous [sequence, kv head, token] K/V as the
  * peers read it, the same bytes a stream as the paged forms: whether pages cost the stream.
  * hold: the consumer keeps each stage that many SM cycles before releasing it, as the
- * attention's tile update does (~0.75 us at 1.98 GHz, v5.7): what that costs the stream. */
+ * attention's tile update does (~0.75 us at 1.98 GHz, v5.7): what that costs the stream.
+ * rel: when a stage is released. 0: hold cycles after its tile landed (above). 1: the decode
+ * kernel's pipelined rule: stage i - 1 once tile i has landed and hold cycles more (P V(i - 1)
+ * runs after S(i) is issued). 2: K and V of a stage released apart (two empty barriers, the
+ * producer waits for each before its boxes): K(i) hold_k cycles after tile i landed (S(i)
+ * done), V(i - 1) hold cycles after it (P V(i - 1) done): the two-barrier stage of v5.18. */
 __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
                                                     int n_pages, int per, int nst, int box3, int contig, int hold,
-                                                    int ef, uint32_t *sink) {
+                                                    int ef, uint32_t *sink, int rel = 0, int hold_k = 0) {
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
-  const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 16 * nst * w, stages = bars - 16 * nst * w + 1024;
+  const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 24 * nst * w, stages = bars - 24 * nst * w + 1024;
   stamp_cta(0);
-  auto full = [&](int st) { return bars + 16 * st; };
-  auto empty = [&](int st) { return bars + 16 * st + 8; };
+  auto full = [&](int st) { return bars + 24 * st; };
+  auto empty = [&](int st) { return bars + 24 * st + 8; };   /* the stage, or its K (rel 2) */
+  auto vempty = [&](int st) { return bars + 24 * st + 16; }; /* its V (rel 2) */
   if (role == 0 && lane == 0) {
-    for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), 1);
+    for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), 1), mbar_init(vempty(st), 1);
     mbar_init_fence();
   }
   __syncthreads();
@@ -175,14 +182,22 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
             tma_load_2d(vd + cb * 64 * 128, &tm, cb * 64, vrow, full(st));
           }
         }
-      } else if (lane < 4) {
-        const size_t k = ((size_t)(s / 8) * per + i) * 4 + lane;
+      } else {
+        const size_t k = ((size_t)(s / 8) * per + i) * 4 + (lane & 3);
         const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
         const int row = pg * 256 + kvh * 16;
         if (box3) {
-          tma_load_3d(kd + lane * 2 * 16 * 128, &tm, 0, row, 0, full(st));
-          tma_load_3d(vd + lane * 2 * 16 * 128, &tm, 0, row + 128, 0, full(st));
-        } else {
+          if (lane < 4) {
+            tma_load_3d(kd + lane * 2 * 16 * 128, &tm, 0, row, 0, full(st));
+            tma_load_3d(vd + lane * 2 * 16 * 128, &tm, 0, row + 128, 0, full(st));
+          }
+        } else if (rel == 2) { /* K once its half is free, then V once its half is */
+          for (int cb = 0; cb < 2 && lane < 4; cb++)
+            tma_load_2d(kd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row, full(st));
+          if (i >= nst) mbar_wait(vempty(st), (i / nst - 1) & 1);
+          for (int cb = 0; cb < 2 && lane < 4; cb++)
+            tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
+        } else if (lane < 4) {
           /* ef: evict_first, as the decode kernel loads K/V that exceed the L2 (KVF) */
           auto load = [&](uint32_t dst, int c0, int r) {
             if (ef) tma_load_2d(dst, &tm, c0, r, full(st), da_l2_evict_first());
@@ -201,9 +216,17 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
       const int st = i % nst;
       mbar_wait(full(st), (i / nst) & 1);
       x ^= *reinterpret_cast<volatile uint32_t *>(smem + 1024 + (size_t)(w * nst + st) * TILE_B + (i & 63) * 4);
-      for (const long long t0 = clock64(); clock64() - t0 < hold;) {
+      const long long t0 = clock64();
+      const int sp = (i + nst - 1) % nst; /* the stage of tile i - 1 */
+      if (rel == 2) {
+        while (clock64() - t0 < hold_k) {
+        }
+        mbar_arrive(empty(st));
       }
-      mbar_arrive(empty(st));
+      while (clock64() - t0 < hold) {
+      }
+      if (rel == 0) mbar_arrive(empty(st));
+      else if (i > 0) mbar_arrive(rel == 2 ? vempty(sp) : empty(sp));
     }
     if (x == 0x9e3779b9u) *sink = x;
   }
@@ -329,7 +352,8 @@ static void print_ends(int grid) {
 int main(int argc, char **argv) {
   /* `readbw big`: the stream forms only, over 8 GiB (a decode step of B 32 L 64k reads 8.6 GB
    * in ~1.9 ms; 2 GiB in ~0.48 ms leaves the launch's ramp and tail in the rate). */
-  const bool big = argc > 1 && strcmp(argv[1], "big") == 0;
+  const bool release = argc > 1 && strcmp(argv[1], "release") == 0;
+  const bool big = release || (argc > 1 && strcmp(argv[1], "big") == 0);
   const size_t bytes = (big ? 8ull : 2ull) << 30, n = bytes / 16;
   const int n_tiles = (int)(bytes / TILE_B);
   uint4 *p = nullptr, *q = nullptr;
@@ -444,6 +468,32 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&dperm, (size_t)n_pages * 4));
     CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
+    /* release: the in-row decode form's stream (128 CTAs x 2 rings of 3, 2 KB boxes, no
+     * promotion) under each release rule; hold ~1,700 cycles is the traced B 32 L 64k step's
+     * busy time a tile slot (tile t's data to P V(t - 1) done, v5.20), hold_k ~400 its S. */
+    struct { int rel, hold_k, hold; const char *what; } rv[] = {
+        {0, 0, 0, "each stage at once"},
+        {0, 0, 1700, "each stage 1700 cycles after it landed"},
+        {1, 0, 0, "stage t - 1 once tile t landed (the kernel's rule, no work)"},
+        {1, 0, 850, "stage t - 1 850 cycles after tile t landed"},
+        {1, 0, 1700, "stage t - 1 1700 cycles after tile t landed (the kernel's rule, its busy time)"},
+        {2, 400, 1700, "K(t) 400, V(t - 1) 1700 cycles after tile t landed (two barriers)"},
+        {2, 0, 1700, "K(t) at once, V(t - 1) 1700 cycles after tile t landed (two barriers)"}};
+    for (int shuffled = 0; release && shuffled < 2; shuffled++) {
+      for (auto r : rv) {
+        const int per = n_tiles / 256;
+        const double moved = (double)per * 256 * TILE_B;
+        const float bt = best_ms(e0, e1, [&] {
+          tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(tmn, shuffled ? dperm : nullptr, n_pages, per, 3, 0, 0, r.hold,
+                                                          0, sink, r.rel, r.hold_k);
+        });
+        if (bt < 0) return 1;
+        printf("decode stream, %s, release %s: %.3f ms, %.3f TB/s\n", shuffled ? "pages shuffled" : "pages in order",
+               r.what, bt, moved / bt / 1e9);
+        print_ends(128);
+      }
+    }
+    if (release) return 0;
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
     /* Forms: 2 KB boxes with 256-byte L2 promotion, the same with none (the kernel's choice
      * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256, contiguous streams

@@ -9,7 +9,8 @@
 # (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
-# the stream forms only, over 8 GiB); chain: cycles of one
+# the stream forms only, over 8 GiB; READBW=release: the decode stream under the consumer's
+# release rules); chain: cycles of one
 # warpgroup's serial tile chain (tests/cuda/tilechain.cu); mergechain: cycles of a step of the
 # combine's lse chain (tests/cuda/mergechain.cu).
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on

@@ -95,7 +95,10 @@ def main():
         print(b, us(v, 0), us(v, 38), us(v, 42), us(v, 43), us(v, 39), us(v, 3), us(v, 1), us(v, 41), tiles, us(v, 36), us(v, 37), us(v, 40))
     done = [v[40] for v in P.values() if 40 in v]
     if done:
-        print("attention: %d blocks traced, the last done at %.2f us" % (len(P), (max(done) - t0) / 1000.0))
+        done.sort()
+        print("attention: %d blocks traced, done first / 10th pct / median / last at %.2f / %.2f / %.2f / %.2f us"
+              % (len(P), (done[0] - t0) / 1000.0, (done[len(done) // 10] - t0) / 1000.0,
+                 (done[len(done) // 2] - t0) / 1000.0, (done[-1] - t0) / 1000.0))
     marks = [(0, "start"), (1, "attention grid complete")]
     marks += [(4 + c, "chunk %d chain done" % c) for c in range(16)] + [(20 + c, "chunk %d folded" % c) for c in range(16)]
     for k, what in marks + [(2, "row folded")]:
