@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|mergechain|trace|pages] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
@@ -16,6 +16,8 @@
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
 # shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
 # each, then cuDNN's (sdpa_peer.py, contiguous K/V); a table of ms and x cuDNN.
+# pagesize: one decode step of each "B:L" in PAGE_SHAPES at each KV page size of PAGE_SIZES
+# (--page: 8 16 32 64 256 tokens), shuffled and in order, two rounds each, against cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
 # TRACE_B (1) sequences of TRACE_L (1024) tokens at S SPLIT (512), in the serial and the
 # default forms, and prints each one's timeline (tests/cuda/trace_timeline.py); TRACE_ARGS: more
@@ -131,6 +133,28 @@ if [ "$what" != tests ]; then
     echo "| B, L | shuffled | in order | interleaved | cuDNN | x cuDNN (shuffled / in order / interleaved, best round) |"
     echo "|---|---|---|---|---|---|"
     cat "$OUT/pages.md"
+    exit 0
+  fi
+  if [ "$what" = pagesize ]; then # each "B:L" of PAGE_SHAPES at each --page of PAGE_SIZES, two orders
+    echo "| B, L | page tokens | shuffled (two rounds) | in order | cuDNN | x cuDNN (shuffled / in order, best round) |"
+    echo "|---|---|---|---|---|---|"
+    for sh in ${PAGE_SHAPES:-1:16384 1:65536 8:16384 8:65536 32:16384 32:65536}; do
+      b=${sh%:*} l=${sh#*:}
+      c=$(python3 clients/bench/sdpa_peer.py --one-decode "$b" "$l" --peer cudnn 2>&1 >/dev/null |
+        grep "^# decode" | grep -Eo "[0-9.]+ ms" | cut -d' ' -f1)
+      for pg in ${PAGE_SIZES:-8 16 32 64 256}; do
+        row="| $b, $l | $pg |" best=""
+        for o in "" --contiguous; do
+          t1=$($BENCH --one-decode "$b" "$l" --page "$pg" $o 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+          t2=$($BENCH --one-decode "$b" "$l" --page "$pg" $o 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+          row="$row ${t1:--} / ${t2:--} |"
+          best="$best $(printf "%s\n%s\n" "${t1:-nan}" "${t2:-nan}" | sort -g | head -1)"
+        done
+        x=$(python3 -c "import sys; c = float(sys.argv[1]); print(' / '.join(f'{c / float(v):.3f}' for v in sys.argv[2:]))" \
+          "${c:-nan}" $best)
+        echo "$row ${c:--} | $x |"
+      done
+    done
     exit 0
   fi
   if [ "$what" = profile-prefill ]; then
