@@ -199,6 +199,49 @@ START_TEST(prefill_chunked_and_decode_are_bit_identical) {
 }
 END_TEST
 
+/* KV pages of 8, 64 and 256 tokens give the config's bits: the producer loads a tile as
+ * 64 / min(P, 64) boxes a column block from as many pages, batches its page ids by that
+ * count, and zero-fills tiles that end inside a page (NOTES v5.20: page size is a
+ * configuration, not a numerics, choice). A prefill in two chunks, then decode steps. */
+START_TEST(page_sizes_are_bit_identical) {
+  const tcfg *c = &cfgs[_i];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 150 + (uint64_t)_i);
+  const int n = 300, pre = 284, ptoks[4] = {c->P, 8, 64, 256};
+  const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
+  seq s[4];
+  uint16_t *o[4];
+  float *lse[4];
+  for (int i = 0; i < 4; i++) {
+    tcfg ci = *c;
+    ci.P = ptoks[i];
+    uint8_t used[512] = {0};
+    seq_init(&s[i], &ci, n, &r, used);
+    if (i > 0) { /* the same tokens on pages of another size */
+      memcpy(s[i].k, s[0].k, (size_t)n * c->hkv * c->d * 2);
+      memcpy(s[i].v, s[0].v, (size_t)n * c->hkv * c->d * 2);
+      memcpy(s[i].q, s[0].q, (size_t)n * c->hq * c->d * 2);
+    }
+    o[i] = malloc(no * 2), lse[i] = malloc(nl * 4);
+    ck_assert(o[i] && lse[i]);
+    da_backend *be = open_be(&ci);
+    forward(be, &ci, &s[i], 1, 0, 131, o[i], lse[i], DA_SPLIT_AUTO);
+    forward(be, &ci, &s[i], 1, 131, pre - 131, o[i], lse[i], DA_SPLIT_AUTO);
+    for (int pos = pre; pos < n; pos++)
+      forward(be, &ci, &s[i], 1, pos, 1, o[i], lse[i], pos % 2 ? DA_SPLIT_PARTIAL : DA_SPLIT_AUTO);
+    da_backend_close(be);
+  }
+  for (int i = 1; i < 4; i++) {
+    char what[64];
+    snprintf(what, sizeof(what), "cfg %d: page %d vs %d tokens o", _i, ptoks[i], c->P);
+    assert_same(o[0], o[i], no * 2, what);
+    snprintf(what, sizeof(what), "cfg %d: page %d vs %d tokens lse", _i, ptoks[i], c->P);
+    assert_same(lse[0], lse[i], nl * 4, what);
+  }
+  for (int i = 0; i < 4; i++) free(o[i]), free(lse[i]), seq_fini(&s[i]);
+}
+END_TEST
+
 /* In-row, partial and auto split modes give the same bits, and reruns repeat them. */
 START_TEST(split_modes_and_reruns_are_bit_identical) {
   const tcfg *c = &cfgs[_i];
@@ -637,6 +680,7 @@ int main(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_loop_test(tc, prefill_chunked_and_decode_are_bit_identical, 0, N_CFGS);
   tcase_add_loop_test(tc, split_modes_and_reruns_are_bit_identical, 0, N_CFGS);
+  tcase_add_loop_test(tc, page_sizes_are_bit_identical, 0, N_CFGS);
   tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
   tcase_add_test(tc, digests_pinned_for_this_kernel_version);

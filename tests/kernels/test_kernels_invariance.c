@@ -1,6 +1,7 @@
 /* The bit-exact invariances of DESIGN.md §1 on the CPU backend: a sequence's outputs do not
  * depend on the batch around it, on how its tokens are chunked, on the split mode, on the
- * thread count, or on its history (fork by page copy, truncate and re-append). */
+ * thread count, on the KV page size, or on its history (fork by page copy, truncate and
+ * re-append). */
 #include <stdio.h>
 
 #include "kt.h"
@@ -192,6 +193,47 @@ START_TEST(thread_count_does_not_change_bits) {
 }
 END_TEST
 
+/* KV pages of 8, the case's and 64 tokens hold the same keys: a tile reads them from one,
+ * two or eight pages, and the bits may not change (NOTES v5.20: page size is a
+ * configuration, not a numerics, choice). */
+START_TEST(page_size_does_not_change_bits) {
+  fixture f;
+  fx_init(&f, _i, 5500);
+  enum { N = 5 };
+  kt_seq base[N], run[3][N];
+  make_seqs(&f, base, N, 200);
+  const uint64_t pieces = da_rng_u64(&f.r);
+  const int ptoks[3] = {f.c->ptok, 8, 64};
+  for (int pi = 0; pi < 3; pi++) {
+    uint8_t used[POOL] = {0};
+    da_backend_cfg cfg = kt_cfg(&f.m, f.c->split, f.c->tile, ptoks[pi], POOL, 2);
+    da_backend *be = kt_open(&cfg);
+    /* All but each sequence's last token in one batch of chunks, then the last as a decode
+     * step of its own (sequences of one token: that step only). */
+    for (int i = 0; i < N; i++) {
+      kt_seq_clone(&run[pi][i], &base[i], &f.r, ptoks[pi], used, POOL);
+      run[pi][i].len--;
+    }
+    full_batch fb;
+    make_full_batch(&fb, run[pi], N, pieces, pi == 2 ? DA_SPLIT_PARTIAL : DA_SPLIT_AUTO);
+    if (fb.b.n_attns > 0) kt_run(be, &fb.b, f.seed);
+    for (int i = 0; i < N; i++) {
+      kt_forward(be, &run[pi][i], run[pi][i].len, 1, DA_SPLIT_AUTO, f.seed);
+      run[pi][i].len++;
+    }
+    da_backend_close(be);
+  }
+  for (int i = 0; i < N; i++) {
+    kt_assert_same_bits(&run[0][i], &run[1][i], f.seed, "case's page size vs 8 tokens");
+    kt_assert_same_bits(&run[0][i], &run[2][i], f.seed, "case's page size vs 64 tokens");
+  }
+  for (int i = 0; i < N; i++) {
+    kt_seq_free(&base[i]);
+    for (int pi = 0; pi < 3; pi++) kt_seq_free(&run[pi][i]);
+  }
+}
+END_TEST
+
 START_TEST(partial_falls_back_to_inrow_when_slots_run_short) {
   fixture f;
   fx_init(&f, _i, 6000);
@@ -353,6 +395,7 @@ int main(void) {
   tcase_add_loop_test(tc, one_shot_chunked_and_token_by_token_give_same_bits, 0, N_CASES);
   tcase_add_loop_test(tc, inrow_partial_and_auto_give_same_bits, 0, N_CASES);
   tcase_add_loop_test(tc, thread_count_does_not_change_bits, 0, N_CASES);
+  tcase_add_loop_test(tc, page_size_does_not_change_bits, 0, N_CASES);
   tcase_add_loop_test(tc, partial_falls_back_to_inrow_when_slots_run_short, 0, N_CASES);
   tcase_add_loop_test(tc, auto_runs_long_decode_as_partials_and_big_batches_in_row, 0, N_CASES);
   tcase_add_loop_test(tc, fork_by_page_copy_gives_same_bits_as_fresh_sequence, 0, N_CASES);
