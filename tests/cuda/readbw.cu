@@ -13,7 +13,8 @@
  * Run: `bash tests/cuda/run_gpu.sh ceiling` (nvcc -O3 for sm_90, then the binary);
  * `READBW=big bash tests/cuda/run_gpu.sh ceiling`: the stream forms only, over 8 GiB, each with
  * how far apart its CTAs finished (one wave, equal work a CTA); `READBW=release`: only the
- * decode stream over 8 GiB under the consumer's release rules (tma_kernel's rel).
+ * decode stream over 8 GiB under the consumer's release rules (tma_kernel's rel); `READBW=pages`:
+ * that stream over pages of 8 to 256 tokens.
  */
 #include <algorithm>
 #include <cstdint>
@@ -151,7 +152,8 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * done), V(i - 1) hold cycles after it (P V(i - 1) done): the two-barrier stage of v5.18. */
 __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
                                                     int n_pages, int per, int nst, int box3, int contig, int hold,
-                                                    int ef, uint32_t *sink, int rel = 0, int hold_k = 0) {
+                                                    int ef, uint32_t *sink, int rel = 0, int hold_k = 0,
+                                                    int ptok = 16) {
   extern __shared__ __align__(1024) char smem[];
   const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 24 * nst * w, stages = bars - 24 * nst * w + 1024;
@@ -183,9 +185,13 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
           }
         }
       } else {
-        const size_t k = ((size_t)(s / 8) * per + i) * 4 + (lane & 3);
-        const int pg = (int)(perm ? perm[k % n_pages] : k % n_pages);
-        const int row = pg * 256 + kvh * 16;
+        /* Pages of ptok tokens ([K|V][8 heads][ptok][128] each, n_pages of them); lane c < nch
+         * loads chunk c of the tile: R = min(ptok, 64) rows from its page (tm's boxes are R
+         * rows). box3 and rel 2 run at ptok 16 only. */
+        const int R = ptok < 64 ? ptok : 64, nch = 64 / R;
+        const int64_t tok = ((int64_t)(s / 8) * per + i) * 64 + (int64_t)(lane % nch) * R, page = tok / ptok;
+        const int pg = (int)(perm ? perm[page % n_pages] : page % n_pages);
+        const int row = pg * 16 * ptok + kvh * ptok + (int)(tok % ptok);
         if (box3) {
           if (lane < 4) {
             tma_load_3d(kd + lane * 2 * 16 * 128, &tm, 0, row, 0, full(st));
@@ -197,15 +203,15 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
           if (i >= nst) mbar_wait(vempty(st), (i / nst - 1) & 1);
           for (int cb = 0; cb < 2 && lane < 4; cb++)
             tma_load_2d(vd + cb * 64 * 128 + lane * 16 * 128, &tm, cb * 64, row + 128, full(st));
-        } else if (lane < 4) {
+        } else if (lane < nch) {
           /* ef: evict_first, as the decode kernel loads K/V that exceed the L2 (KVF) */
           auto load = [&](uint32_t dst, int c0, int r) {
             if (ef) tma_load_2d(dst, &tm, c0, r, full(st), da_l2_evict_first());
             else tma_load_2d(dst, &tm, c0, r, full(st));
           };
           for (int cb = 0; cb < 2; cb++) {
-            load(kd + cb * 64 * 128 + lane * 16 * 128, cb * 64, row);
-            load(vd + cb * 64 * 128 + lane * 16 * 128, cb * 64, row + 128);
+            load(kd + cb * 64 * 128 + lane * R * 128, cb * 64, row);
+            load(vd + cb * 64 * 128 + lane * R * 128, cb * 64, row + 8 * ptok);
           }
         }
       }
@@ -353,7 +359,8 @@ int main(int argc, char **argv) {
   /* `readbw big`: the stream forms only, over 8 GiB (a decode step of B 32 L 64k reads 8.6 GB
    * in ~1.9 ms; 2 GiB in ~0.48 ms leaves the launch's ramp and tail in the rate). */
   const bool release = argc > 1 && strcmp(argv[1], "release") == 0;
-  const bool big = release || (argc > 1 && strcmp(argv[1], "big") == 0);
+  const bool pages_mode = argc > 1 && strcmp(argv[1], "pages") == 0;
+  const bool big = release || pages_mode || (argc > 1 && strcmp(argv[1], "big") == 0);
   const size_t bytes = (big ? 8ull : 2ull) << 30, n = bytes / 16;
   const int n_tiles = (int)(bytes / TILE_B);
   uint4 *p = nullptr, *q = nullptr;
@@ -443,9 +450,9 @@ int main(int argc, char **argv) {
     cudaDriverEntryPointQueryResult qr;
     CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
     const int n_pages = (int)(bytes / 65536);
-    CUtensorMap tm, tmn, tm3, tmc;
+    CUtensorMap tm, tmn, tm3, tmc, tm8, tm32;
     const cuuint64_t dims[2] = {128, (cuuint64_t)n_pages * 256}, strides[1] = {256};
-    const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1}, boxc[2] = {64, 64};
+    const cuuint32_t box[2] = {64, 16}, estr[2] = {1, 1}, boxc[2] = {64, 64}, box8[2] = {64, 8}, box32[2] = {64, 32};
     /* The same pool as (64 columns, rows, 2 column blocks): a box of 16 rows takes both blocks. */
     const cuuint64_t dims3[3] = {64, (cuuint64_t)n_pages * 256, 2}, strides3[2] = {256, 128};
     const cuuint32_t box3[3] = {64, 16, 2}, estr3[3] = {1, 1, 1};
@@ -459,7 +466,9 @@ int main(int argc, char **argv) {
         !encode(&tm, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_L2_256B) ||
         !encode(&tmn, 2, dims, strides, box, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE) ||
         !encode(&tm3, 3, dims3, strides3, box3, estr3, CU_TENSOR_MAP_L2_PROMOTION_L2_256B) ||
-        !encode(&tmc, 2, dims, strides, boxc, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE)) {
+        !encode(&tmc, 2, dims, strides, boxc, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE) ||
+        !encode(&tm8, 2, dims, strides, box8, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE) ||
+        !encode(&tm32, 2, dims, strides, box32, estr, CU_TENSOR_MAP_L2_PROMOTION_NONE)) {
       fprintf(stderr, "readbw: no tensor map\n");
       return 1;
     }
@@ -493,7 +502,37 @@ int main(int argc, char **argv) {
         print_ends(128);
       }
     }
-    if (release) return 0;
+    /* pages: the same stream over pages of 8 to 256 tokens (boxes of min(P, 64) rows: 32 to 4
+     * a tile), as `detattn-bench --page P` lays out the pool, pages in order and shuffled,
+     * each stage released at once and by the kernel's rule: whether the page size the kernel
+     * pays for (NOTES v5.20: 8 -> 16 -> 64 -> 256 tokens faster) is the memory's. */
+    for (int ptok : {8, 16, 32, 64, 256}) {
+      if (!pages_mode) break;
+      const int np = (int)(bytes / (4096ull * ptok));
+      const CUtensorMap *m = ptok == 8 ? &tm8 : ptok == 16 ? &tmn : ptok == 32 ? &tm32 : &tmc;
+      uint32_t *hp = new uint32_t[np], *dp = nullptr;
+      fill_order(hp, (size_t)np, true);
+      CHECK(cudaMalloc(&dp, (size_t)np * 4));
+      CHECK(cudaMemcpy(dp, hp, (size_t)np * 4, cudaMemcpyHostToDevice));
+      for (int shuffled = 0; shuffled < 2; shuffled++) {
+        for (int rel = 0; rel < 2; rel++) {
+          const int per = n_tiles / 256;
+          const double moved = (double)per * 256 * TILE_B;
+          const float bt = best_ms(e0, e1, [&] {
+            tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(*m, shuffled ? dp : nullptr, np, per, 3, 0, 0,
+                                                            rel ? 1700 : 0, 0, sink, rel, 0, ptok);
+          });
+          if (bt < 0) return 1;
+          printf("decode stream, pages of %3d tokens (%2d boxes a tile), %s, release %s: %.3f ms, %.3f TB/s\n", ptok,
+                 4 * 64 / (ptok < 64 ? ptok : 64), shuffled ? "shuffled" : "in order",
+                 rel ? "by the kernel's rule (t - 1, 1700 cycles after t)" : "at once", bt, moved / bt / 1e9);
+          print_ends(128);
+        }
+      }
+      CHECK(cudaFree(dp));
+      delete[] hp;
+    }
+    if (release || pages_mode) return 0;
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
     /* Forms: 2 KB boxes with 256-byte L2 promotion, the same with none (the kernel's choice
      * per card, cuda_backend.c's l2_promo_env), 4 KB 3D boxes with 256, contiguous streams

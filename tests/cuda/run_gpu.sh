@@ -10,8 +10,8 @@
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
 # the stream forms only, over 8 GiB; READBW=release: the decode stream under the consumer's
-# release rules); chain: cycles of one
-# warpgroup's serial tile chain (tests/cuda/tilechain.cu); mergechain: cycles of a step of the
+# release rules; READBW=pages: that stream over pages of 8 to 256 tokens); chain: cycles of
+# one warpgroup's serial tile chain (tests/cuda/tilechain.cu); mergechain: cycles of a step of the
 # combine's lse chain (tests/cuda/mergechain.cu).
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
 # shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
