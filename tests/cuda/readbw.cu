@@ -150,23 +150,26 @@ __global__ void __launch_bounds__(64, 1) bulk_kernel(const char *p, const uint32
  * runs after S(i) is issued). 2: K and V of a stage released apart (two empty barriers, the
  * producer waits for each before its boxes): K(i) hold_k cycles after tile i landed (S(i)
  * done), V(i - 1) hold cycles after it (P V(i - 1) done): the two-barrier stage of v5.18. */
-__global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
+__global__ void __launch_bounds__(320, 1) tma_kernel(const __grid_constant__ CUtensorMap tm, const uint32_t *perm,
                                                     int n_pages, int per, int nst, int box3, int contig, int hold,
                                                     int ef, uint32_t *sink, int rel = 0, int hold_k = 0,
-                                                    int ptok = 16) {
+                                                    int ptok = 16, int cwarps = 1) {
   extern __shared__ __align__(1024) char smem[];
-  const int w = threadIdx.x / 64, role = threadIdx.x / 32 % 2, lane = threadIdx.x & 31;
+  /* A pipe: a producer warp and cwarps consumer warps (4: a consumer warpgroup, every warp
+   * waiting on the stage and arriving on its release, as the decode kernel's do). */
+  const int wpp = 1 + cwarps, w = threadIdx.x / 32 / wpp, role = threadIdx.x / 32 % wpp == 0 ? 0 : 1,
+            lane = threadIdx.x & 31;
   const uint32_t bars = (uint32_t)__cvta_generic_to_shared(smem) + 24 * nst * w, stages = bars - 24 * nst * w + 1024;
   stamp_cta(0);
   auto full = [&](int st) { return bars + 24 * st; };
   auto empty = [&](int st) { return bars + 24 * st + 8; };   /* the stage, or its K (rel 2) */
   auto vempty = [&](int st) { return bars + 24 * st + 16; }; /* its V (rel 2) */
   if (role == 0 && lane == 0) {
-    for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), 1), mbar_init(vempty(st), 1);
+    for (int st = 0; st < nst; st++) mbar_init(full(st), 1), mbar_init(empty(st), cwarps), mbar_init(vempty(st), cwarps);
     mbar_init_fence();
   }
   __syncthreads();
-  const int s = blockIdx.x * (blockDim.x / 64) + w;
+  const int s = blockIdx.x * (blockDim.x / 32 / wpp) + w;
   const int kvh = s % 8;
   if (role == 0) {
     if (lane == 0) tma_prefetch_desc(&tm);
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
         }
       }
     }
-  } else if (lane == 0) {
+  } else if (lane == 0 || cwarps > 1) {
     uint32_t x = 0;
     for (int i = 0; i < per; i++) {
       const int st = i % nst;
@@ -227,12 +230,16 @@ __global__ void __launch_bounds__(128, 1) tma_kernel(const __grid_constant__ CUt
       if (rel == 2) {
         while (clock64() - t0 < hold_k) {
         }
-        mbar_arrive(empty(st));
+        __syncwarp(__activemask());
+        if (lane == 0) mbar_arrive(empty(st));
       }
       while (clock64() - t0 < hold) {
       }
-      if (rel == 0) mbar_arrive(empty(st));
-      else if (i > 0) mbar_arrive(rel == 2 ? vempty(sp) : empty(sp));
+      __syncwarp(__activemask());
+      if (lane == 0) {
+        if (rel == 0) mbar_arrive(empty(st));
+        else if (i > 0) mbar_arrive(rel == 2 ? vempty(sp) : empty(sp));
+      }
     }
     if (x == 0x9e3779b9u) *sink = x;
   }
@@ -531,6 +538,24 @@ int main(int argc, char **argv) {
       }
       CHECK(cudaFree(dp));
       delete[] hp;
+    }
+    /* The same at 16 and 64 tokens in order with a consumer warpgroup a pipe (4 warps waiting
+     * on each stage and arriving on its release, as the kernel's): whether small boxes cost
+     * more when more warps poll the barrier their bytes complete on. */
+    for (int ptok : {16, 64}) {
+      if (!pages_mode) break;
+      const int np = (int)(bytes / (4096ull * ptok));
+      for (int cw : {1, 4}) {
+        const int per = n_tiles / 256;
+        const double moved = (double)per * 256 * TILE_B;
+        const float bt = best_ms(e0, e1, [&] {
+          tma_kernel<<<128, 64 * (1 + cw), 1024 + 2 * 3 * TILE_B>>>(ptok == 16 ? tmn : tmc, nullptr, np, per, 3, 0, 0,
+                                                                   1700, 0, sink, 1, 0, ptok, cw);
+        });
+        if (bt < 0) return 1;
+        printf("decode stream, pages of %3d tokens, in order, kernel's rule, %d consumer warp%s a pipe: %.3f ms, %.3f TB/s\n",
+               ptok, cw, cw > 1 ? "s" : "", bt, moved / bt / 1e9);
+      }
     }
     if (release || pages_mode) return 0;
     struct { int grid, pipes, nst; } tv[] = {{128, 1, 4}, {nsm, 1, 4}, {128, 1, 6}, {128, 2, 3}, {nsm, 2, 3}};
