@@ -165,31 +165,49 @@ START_TEST(inrow_partial_and_auto_give_same_bits) {
 }
 END_TEST
 
-START_TEST(thread_count_does_not_change_bits) {
-  fixture f;
-  fx_init(&f, _i, 5000);
+/* Three runs of the same N sequences, run k on a backend of threads[k] threads and pages of
+ * ptoks[k] tokens: every token but each sequence's last in one batch of chunks (run 1 as
+ * partials), then the last as a decode step of its own. Runs 1 and 2 must give run 0's bits
+ * (what[0], what[1] name them in a failure). */
+static void assert_three_backends_same_bits(fixture *f, const int threads[3], const int ptoks[3],
+                                            const char *const what[2]) {
   enum { N = 5 };
   kt_seq base[N], run[3][N];
-  make_seqs(&f, base, N, 200);
-  const uint64_t pieces = da_rng_u64(&f.r);
-  const int threads[3] = {1, 3, 8};
-  for (int ti = 0; ti < 3; ti++) {
-    memset(f.used, 0, sizeof(f.used));
-    da_backend *be = fx_open(&f, threads[ti], 0);
-    for (int i = 0; i < N; i++) kt_seq_clone(&run[ti][i], &base[i], &f.r, f.c->ptok, f.used, POOL);
+  make_seqs(f, base, N, 200);
+  const uint64_t pieces = da_rng_u64(&f->r);
+  for (int k = 0; k < 3; k++) {
+    uint8_t used[POOL] = {0};
+    da_backend_cfg cfg = kt_cfg(&f->m, f->c->split, f->c->tile, ptoks[k], POOL, threads[k]);
+    da_backend *be = kt_open(&cfg);
+    for (int i = 0; i < N; i++) {
+      kt_seq_clone(&run[k][i], &base[i], &f->r, ptoks[k], used, POOL);
+      run[k][i].len--;
+    }
     full_batch fb;
-    make_full_batch(&fb, run[ti], N, pieces, ti == 1 ? DA_SPLIT_PARTIAL : DA_SPLIT_AUTO);
-    kt_run(be, &fb.b, f.seed);
+    make_full_batch(&fb, run[k], N, pieces, k == 1 ? DA_SPLIT_PARTIAL : DA_SPLIT_AUTO);
+    if (fb.b.n_attns > 0) kt_run(be, &fb.b, f->seed); /* sequences of one token: none */
+    for (int i = 0; i < N; i++) {
+      kt_forward(be, &run[k][i], run[k][i].len, 1, DA_SPLIT_AUTO, f->seed);
+      run[k][i].len++;
+    }
     da_backend_close(be);
   }
   for (int i = 0; i < N; i++) {
-    kt_assert_same_bits(&run[0][i], &run[1][i], f.seed, "1 thread vs 3 threads");
-    kt_assert_same_bits(&run[0][i], &run[2][i], f.seed, "1 thread vs 8 threads");
+    kt_assert_same_bits(&run[0][i], &run[1][i], f->seed, what[0]);
+    kt_assert_same_bits(&run[0][i], &run[2][i], f->seed, what[1]);
   }
   for (int i = 0; i < N; i++) {
     kt_seq_free(&base[i]);
-    for (int ti = 0; ti < 3; ti++) kt_seq_free(&run[ti][i]);
+    for (int k = 0; k < 3; k++) kt_seq_free(&run[k][i]);
   }
+}
+
+START_TEST(thread_count_does_not_change_bits) {
+  fixture f;
+  fx_init(&f, _i, 5000);
+  const int threads[3] = {1, 3, 8}, ptoks[3] = {f.c->ptok, f.c->ptok, f.c->ptok};
+  const char *const what[2] = {"1 thread vs 3 threads", "1 thread vs 8 threads"};
+  assert_three_backends_same_bits(&f, threads, ptoks, what);
 }
 END_TEST
 
@@ -199,38 +217,9 @@ END_TEST
 START_TEST(page_size_does_not_change_bits) {
   fixture f;
   fx_init(&f, _i, 5500);
-  enum { N = 5 };
-  kt_seq base[N], run[3][N];
-  make_seqs(&f, base, N, 200);
-  const uint64_t pieces = da_rng_u64(&f.r);
-  const int ptoks[3] = {f.c->ptok, 8, 64};
-  for (int pi = 0; pi < 3; pi++) {
-    uint8_t used[POOL] = {0};
-    da_backend_cfg cfg = kt_cfg(&f.m, f.c->split, f.c->tile, ptoks[pi], POOL, 2);
-    da_backend *be = kt_open(&cfg);
-    /* All but each sequence's last token in one batch of chunks, then the last as a decode
-     * step of its own (sequences of one token: that step only). */
-    for (int i = 0; i < N; i++) {
-      kt_seq_clone(&run[pi][i], &base[i], &f.r, ptoks[pi], used, POOL);
-      run[pi][i].len--;
-    }
-    full_batch fb;
-    make_full_batch(&fb, run[pi], N, pieces, pi == 2 ? DA_SPLIT_PARTIAL : DA_SPLIT_AUTO);
-    if (fb.b.n_attns > 0) kt_run(be, &fb.b, f.seed);
-    for (int i = 0; i < N; i++) {
-      kt_forward(be, &run[pi][i], run[pi][i].len, 1, DA_SPLIT_AUTO, f.seed);
-      run[pi][i].len++;
-    }
-    da_backend_close(be);
-  }
-  for (int i = 0; i < N; i++) {
-    kt_assert_same_bits(&run[0][i], &run[1][i], f.seed, "case's page size vs 8 tokens");
-    kt_assert_same_bits(&run[0][i], &run[2][i], f.seed, "case's page size vs 64 tokens");
-  }
-  for (int i = 0; i < N; i++) {
-    kt_seq_free(&base[i]);
-    for (int pi = 0; pi < 3; pi++) kt_seq_free(&run[pi][i]);
-  }
+  const int threads[3] = {2, 2, 2}, ptoks[3] = {f.c->ptok, 8, 64};
+  const char *const what[2] = {"case's page size vs 8 tokens", "case's page size vs 64 tokens"};
+  assert_three_backends_same_bits(&f, threads, ptoks, what);
 }
 END_TEST
 
