@@ -113,22 +113,29 @@ if [ "$what" != tests ]; then
     python3 tests/cuda/ncu_side.py "$OUT/ncu-ours.txt" "$OUT/ncu-cudnn.txt"
     exit 0
   fi
+  # Table helpers of pages and pagesize. two_rounds ARGS...: one decode step of the bench
+  # twice; appends "t1 / t2 |" to $row and the better round to $best.
+  two_rounds() {
+    local t1 t2
+    t1=$($BENCH "$@" 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+    t2=$($BENCH "$@" 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
+    row="$row ${t1:--} / ${t2:--} |"
+    best="$best $(printf "%s\n%s\n" "${t1:-nan}" "${t2:-nan}" | sort -g | head -1)"
+  }
+  cudnn_ms() { # B L: cuDNN's ms of that decode step (sdpa_peer.py, contiguous K/V)
+    python3 clients/bench/sdpa_peer.py --one-decode "$1" "$2" --peer cudnn 2>&1 >/dev/null |
+      grep "^# decode" | grep -Eo "[0-9.]+ ms" | cut -d' ' -f1
+  }
+  over() { # C T...: C / T for each T, three decimals
+    python3 -c "import sys; c = float(sys.argv[1]); print(' / '.join(f'{c / float(v):.3f}' for v in sys.argv[2:]))" "$@"
+  }
   if [ "$what" = pages ]; then
-    orders=("" --contiguous --interleaved)
     : > "$OUT/pages.md"
     for sh in ${PAGE_SHAPES:-8:16384 8:65536 32:16384 32:65536}; do
       b=${sh%:*} l=${sh#*:} row="| $b, $l |" best=""
-      for k in 0 1 2; do
-        t1=$($BENCH --one-decode "$b" "$l" ${orders[k]} 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
-        t2=$($BENCH --one-decode "$b" "$l" ${orders[k]} 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
-        row="$row ${t1:--} / ${t2:--} |"
-        best="$best $(printf "%s\n%s\n" "${t1:-nan}" "${t2:-nan}" | sort -g | head -1)"
-      done
-      c=$(python3 clients/bench/sdpa_peer.py --one-decode "$b" "$l" --peer cudnn 2>&1 >/dev/null |
-        grep "^# decode" | grep -Eo "[0-9.]+ ms" | cut -d' ' -f1)
-      x=$(python3 -c "import sys; c = float(sys.argv[1]); print(' / '.join(f'{c / float(v):.3f}' for v in sys.argv[2:]))" \
-        "${c:-nan}" $best)
-      echo "$row ${c:--} | $x |" >> "$OUT/pages.md"
+      for o in "" --contiguous --interleaved; do two_rounds --one-decode "$b" "$l" $o; done
+      c=$(cudnn_ms "$b" "$l")
+      echo "$row ${c:--} | $(over "${c:-nan}" $best) |" >> "$OUT/pages.md"
     done
     echo "| B, L | shuffled | in order | interleaved | cuDNN | x cuDNN (shuffled / in order / interleaved, best round) |"
     echo "|---|---|---|---|---|---|"
@@ -140,19 +147,11 @@ if [ "$what" != tests ]; then
     echo "|---|---|---|---|---|---|"
     for sh in ${PAGE_SHAPES:-1:16384 1:65536 8:16384 8:65536 32:16384 32:65536}; do
       b=${sh%:*} l=${sh#*:}
-      c=$(python3 clients/bench/sdpa_peer.py --one-decode "$b" "$l" --peer cudnn 2>&1 >/dev/null |
-        grep "^# decode" | grep -Eo "[0-9.]+ ms" | cut -d' ' -f1)
+      c=$(cudnn_ms "$b" "$l")
       for pg in ${PAGE_SIZES:-8 16 32 64 256}; do
         row="| $b, $l | $pg |" best=""
-        for o in "" --contiguous; do
-          t1=$($BENCH --one-decode "$b" "$l" --page "$pg" $o 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
-          t2=$($BENCH --one-decode "$b" "$l" --page "$pg" $o 2>> "$OUT/pages.err" | grep fixedS | cut -d, -f10)
-          row="$row ${t1:--} / ${t2:--} |"
-          best="$best $(printf "%s\n%s\n" "${t1:-nan}" "${t2:-nan}" | sort -g | head -1)"
-        done
-        x=$(python3 -c "import sys; c = float(sys.argv[1]); print(' / '.join(f'{c / float(v):.3f}' for v in sys.argv[2:]))" \
-          "${c:-nan}" $best)
-        echo "$row ${c:--} | $x |"
+        for o in "" --contiguous; do two_rounds --one-decode "$b" "$l" --page "$pg" $o; done
+        echo "$row ${c:--} | $(over "${c:-nan}" $best) |"
       done
     done
     exit 0
