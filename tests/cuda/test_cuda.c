@@ -77,6 +77,13 @@ static void seq_fini(seq *s) {
   free(s->pages), free(s->k), free(s->v), free(s->q);
 }
 
+/* dst gets src's first n tokens (k, v, q), keeping its own pages. */
+static void seq_copy_tokens(seq *dst, const seq *src, const tcfg *c, int n) {
+  memcpy(dst->k, src->k, (size_t)n * c->hkv * c->d * 2);
+  memcpy(dst->v, src->v, (size_t)n * c->hkv * c->d * 2);
+  memcpy(dst->q, src->q, (size_t)n * c->hq * c->d * 2);
+}
+
 static da_append mk_append(const tcfg *c, const seq *s, int layer, int pos, int n) {
   return (da_append){.layer = layer, .pos = pos, .n_tokens = n, .pages = s->pages,
                      .n_pages = s->n_pages, .k = s->k + (size_t)pos * c->hkv * c->d,
@@ -169,11 +176,7 @@ START_TEST(prefill_chunked_and_decode_are_bit_identical) {
   seq s[3];
   for (int i = 0; i < 3; i++) seq_init(&s[i], c, n, &r, used);
   /* The same tokens in all three sequences, on different pages. */
-  for (int i = 1; i < 3; i++) {
-    memcpy(s[i].k, s[0].k, (size_t)n * c->hkv * c->d * 2);
-    memcpy(s[i].v, s[0].v, (size_t)n * c->hkv * c->d * 2);
-    memcpy(s[i].q, s[0].q, (size_t)n * c->hq * c->d * 2);
-  }
+  for (int i = 1; i < 3; i++) seq_copy_tokens(&s[i], &s[0], c, n);
   const size_t no = (size_t)n * c->hq * c->d, nl = (size_t)n * c->hq;
   uint16_t *o[3];
   float *lse[3];
@@ -217,11 +220,7 @@ START_TEST(page_sizes_are_bit_identical) {
     ci.P = ptoks[i];
     uint8_t used[512] = {0};
     seq_init(&s[i], &ci, n, &r, used);
-    if (i > 0) { /* the same tokens on pages of another size */
-      memcpy(s[i].k, s[0].k, (size_t)n * c->hkv * c->d * 2);
-      memcpy(s[i].v, s[0].v, (size_t)n * c->hkv * c->d * 2);
-      memcpy(s[i].q, s[0].q, (size_t)n * c->hq * c->d * 2);
-    }
+    if (i > 0) seq_copy_tokens(&s[i], &s[0], c, n); /* the same tokens on pages of another size */
     o[i] = malloc(no * 2), lse[i] = malloc(nl * 4);
     ck_assert(o[i] && lse[i]);
     da_backend *be = open_be(&ci);
