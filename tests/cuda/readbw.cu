@@ -484,6 +484,17 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&dperm, (size_t)n_pages * 4));
     CHECK(cudaMemcpy(dperm, h, (size_t)n_pages * 4, cudaMemcpyHostToDevice));
     CHECK(cudaFuncSetAttribute(tma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 1024 + 6 * TILE_B));
+    /* The in-row decode form's stream (128 CTAs x 2 rings of 3; a pipe cw consumer warps) over
+     * the whole buffer: its best ms (-1: a failed launch, printed) and TB/s. */
+    const int per2 = n_tiles / 256;
+    const double moved2 = (double)per2 * 256 * TILE_B;
+    auto pipes_ms = [&](const CUtensorMap &m, const uint32_t *pp, int np, int contig, int hold, int ef, int rel,
+                        int hold_k, int ptok, int cw) {
+      return best_ms(e0, e1, [&] {
+        tma_kernel<<<128, 64 * (1 + cw), 1024 + 2 * 3 * TILE_B>>>(m, pp, np, per2, 3, 0, contig, hold, ef, sink, rel,
+                                                                 hold_k, ptok, cw);
+      });
+    };
     /* release: the in-row decode form's stream (128 CTAs x 2 rings of 3, 2 KB boxes, no
      * promotion) under each release rule; hold ~1,700 cycles is the traced B 32 L 64k step's
      * busy time a tile slot (tile t's data to P V(t - 1) done, v5.20), hold_k ~400 its S. */
@@ -497,15 +508,10 @@ int main(int argc, char **argv) {
         {2, 0, 1700, "K(t) at once, V(t - 1) 1700 cycles after tile t landed (two barriers)"}};
     for (int shuffled = 0; release && shuffled < 2; shuffled++) {
       for (auto r : rv) {
-        const int per = n_tiles / 256;
-        const double moved = (double)per * 256 * TILE_B;
-        const float bt = best_ms(e0, e1, [&] {
-          tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(tmn, shuffled ? dperm : nullptr, n_pages, per, 3, 0, 0, r.hold,
-                                                          0, sink, r.rel, r.hold_k);
-        });
+        const float bt = pipes_ms(tmn, shuffled ? dperm : nullptr, n_pages, 0, r.hold, 0, r.rel, r.hold_k, 16, 1);
         if (bt < 0) return 1;
         printf("decode stream, %s, release %s: %.3f ms, %.3f TB/s\n", shuffled ? "pages shuffled" : "pages in order",
-               r.what, bt, moved / bt / 1e9);
+               r.what, bt, moved2 / bt / 1e9);
         print_ends(128);
       }
     }
@@ -523,16 +529,11 @@ int main(int argc, char **argv) {
       CHECK(cudaMemcpy(dp, hp, (size_t)np * 4, cudaMemcpyHostToDevice));
       for (int shuffled = 0; shuffled < 2; shuffled++) {
         for (int rel = 0; rel < 2; rel++) {
-          const int per = n_tiles / 256;
-          const double moved = (double)per * 256 * TILE_B;
-          const float bt = best_ms(e0, e1, [&] {
-            tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(*m, shuffled ? dp : nullptr, np, per, 3, 0, 0,
-                                                            rel ? 1700 : 0, 0, sink, rel, 0, ptok);
-          });
+          const float bt = pipes_ms(*m, shuffled ? dp : nullptr, np, 0, rel ? 1700 : 0, 0, rel, 0, ptok, 1);
           if (bt < 0) return 1;
           printf("decode stream, pages of %3d tokens (%2d boxes a tile), %s, release %s: %.3f ms, %.3f TB/s\n", ptok,
                  4 * 64 / (ptok < 64 ? ptok : 64), shuffled ? "shuffled" : "in order",
-                 rel ? "by the kernel's rule (t - 1, 1700 cycles after t)" : "at once", bt, moved / bt / 1e9);
+                 rel ? "by the kernel's rule (t - 1, 1700 cycles after t)" : "at once", bt, moved2 / bt / 1e9);
           print_ends(128);
         }
       }
@@ -546,15 +547,10 @@ int main(int argc, char **argv) {
       if (!pages_mode) break;
       const int np = (int)(bytes / (4096ull * ptok));
       for (int cw : {1, 4}) {
-        const int per = n_tiles / 256;
-        const double moved = (double)per * 256 * TILE_B;
-        const float bt = best_ms(e0, e1, [&] {
-          tma_kernel<<<128, 64 * (1 + cw), 1024 + 2 * 3 * TILE_B>>>(ptok == 16 ? tmn : tmc, nullptr, np, per, 3, 0, 0,
-                                                                   1700, 0, sink, 1, 0, ptok, cw);
-        });
+        const float bt = pipes_ms(ptok == 16 ? tmn : tmc, nullptr, np, 0, 1700, 0, 1, 0, ptok, cw);
         if (bt < 0) return 1;
         printf("decode stream, pages of %3d tokens, in order, kernel's rule, %d consumer warp%s a pipe: %.3f ms, %.3f TB/s\n",
-               ptok, cw, cw > 1 ? "s" : "", bt, moved / bt / 1e9);
+               ptok, cw, cw > 1 ? "s" : "", bt, moved2 / bt / 1e9);
       }
     }
     if (release || pages_mode) return 0;
@@ -586,29 +582,21 @@ int main(int argc, char **argv) {
     /* The decode form's stream with evict_first loads, as the kernel loads K/V that exceed the
      * L2 (KVF): pages in order and shuffled, 128 CTAs x 2 rings of 3. */
     for (int shuffled = 0; shuffled < 2; shuffled++) {
-      const int per = n_tiles / 256;
-      const double moved = (double)per * 256 * TILE_B;
-      const float bt = best_ms(e0, e1, [&] {
-        tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(tmn, shuffled ? dperm : nullptr, n_pages, per, 3, 0, 0, 0, 1, sink);
-      });
+      const float bt = pipes_ms(tmn, shuffled ? dperm : nullptr, n_pages, 0, 0, 1, 0, 0, 16, 1);
       if (bt < 0) return 1;
       printf("decode stream, evict_first loads, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n",
-             shuffled ? "pages shuffled" : "pages in order", bt, moved / bt / 1e9);
+             shuffled ? "pages shuffled" : "pages in order", bt, moved2 / bt / 1e9);
     }
     /* The decode form's stream (2 KB boxes, no promotion, 128 CTAs x 2 rings of 3) with the
      * consumer holding each stage, pages in order and shuffled, and contiguous streams. */
     for (int hold : {0, 750, 1500, 3000}) {
       if (big) break;
       for (int form = 0; form < 3; form++) { /* in order, shuffled, contiguous */
-        const int per = n_tiles / 256;
-        const double moved = (double)per * 256 * TILE_B;
-        const float bt = best_ms(e0, e1, [&] {
-          tma_kernel<<<128, 128, 1024 + 2 * 3 * TILE_B>>>(form == 2 ? tmc : tmn, form == 1 ? dperm : nullptr, n_pages, per,
-                                                          3, 0, form == 2, hold, 0, sink);
-        });
+        const float bt = pipes_ms(form == 2 ? tmc : tmn, form == 1 ? dperm : nullptr, n_pages, form == 2, hold, 0, 0, 0,
+                                  16, 1);
         if (bt < 0) return 1;
         printf("decode stream, consumer holding a stage %4d cycles, %s, 128 CTAs x 2 rings of 3: %.3f ms, %.3f TB/s\n", hold,
-               form == 2 ? "contiguous streams" : form == 1 ? "pages shuffled" : "pages in order", bt, moved / bt / 1e9);
+               form == 2 ? "contiguous streams" : form == 1 ? "pages shuffled" : "pages in order", bt, moved2 / bt / 1e9);
       }
     }
     /* cuDNN's load path (cp_kernel): two CTAs an SM (256 on 128 SMs: B 32's streams, and 2 an
