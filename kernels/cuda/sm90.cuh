@@ -560,6 +560,13 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t desc, uint32_t bytes) {
  * uniform register (CUTLASS's canonical_warp_idx_sync does the same). */
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+/* True in one lane of the converged warp (elect.sync): a branch on it runs one thread, so
+ * ptxas issues a TMA in it from uniform registers without a loop over the lanes. */
+__device__ __forceinline__ bool elect_one() {
+  uint32_t e;
+  asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(e));
+  return e != 0;
+}
 /* Makes initialised barriers visible to the other threads and to the async proxy (TMA). */
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -17,7 +17,9 @@
 #   PREFILL [1]       0: no prefill rounds (a decode-only A/B)
 #   DECODE [0]        1: decode rounds too (ROUNDS rounds per split of DEC_SPLITS [512]): the
 #                     bench's decode table, or only DEC_SHAPES
-#   DEC_SHAPES []     "B L,B L,...": those decode shapes (--one-decode) instead of the table
+#   DEC_SHAPES []     "B L,B L,...": those decode shapes (--one-decode) instead of the table;
+#                     "B L ARGS" adds bench arguments (e.g. "32 65536 --contiguous --page 64"),
+#                     the row's kind then names them (decode--contiguous--page64)
 #   DEC_VARIANTS []   "name:VAR=val[+VAR=val] ...": environments of the new build run in the
 #                     decode rounds as well, e.g. "ring:DA_CUDA_SM90_DECODE=1"
 #   EXTRA  []         extra causal prefills of the 32/8-head d-128 model, "BxL ..."
@@ -95,9 +97,11 @@ dec() {
     return
   fi
   : > "$f"
-  while read -r b l; do
+  while read -r b l rest; do
     [ -n "$b" ] || continue
-    "$@" --one-decode "$b" "$l" --split "$S" 2>> "$OUT/bench.err" > "$f.one"
+    # More bench arguments after B L (e.g. --contiguous --page 64) name the row's kind.
+    "$@" --one-decode "$b" "$l" --split "$S" $rest 2>> "$OUT/bench.err" |
+      awk -F, -v OFS=, -v tag="$(tr -d ' ' <<< "$rest")" 'NR > 1 && tag != "" { $1 = $1 tag } 1' > "$f.one"
     if [ -s "$f" ]; then tail -n +2 "$f.one" >> "$f"; else cat "$f.one" > "$f"; fi
   done <<< "$(tr , '\n' <<< "$DEC_SHAPES")"
   rm -f "$f.one"

@@ -1,12 +1,15 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-pages|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL
 # (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
+# profile-pages: one in-order decode step of PB (32) x PL (65536) at each page size of
+# PAGE_SIZES (16 64), ncu's sections side by side and each one's per-SASS-line stall samples
+# (ncu-pP-sass.csv under $OUT);
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
 # the stream forms only, over 8 GiB; READBW=release: the decode stream under the consumer's
@@ -111,6 +114,22 @@ if [ "$what" != tests ]; then
     $NCU --kernel-name regex:'cudnn|fmha|sdpa|flash' --launch-skip 5 --launch-count 1 $sec \
       python3 clients/bench/sdpa_peer.py --one-decode "${PB:-32}" "${PL:-16384}" --peer cudnn > "$OUT/ncu-cudnn.txt" 2>&1
     python3 tests/cuda/ncu_side.py "$OUT/ncu-ours.txt" "$OUT/ncu-cudnn.txt"
+    exit 0
+  fi
+  if [ "$what" = profile-pages ]; then # one in-order decode step of PB x PL at each page size of PAGE_SIZES
+    sec="--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters
+      --section MemoryWorkloadAnalysis --section InstructionStats"
+    reps=""
+    for pg in ${PAGE_SIZES:-16 64}; do
+      $NCU --kernel-name regex:prefill_kernel --launch-skip 3 --launch-count 1 $sec --export "$OUT/ncu-p$pg" -f \
+        $BENCH --one-decode "${PB:-32}" "${PL:-65536}" --contiguous --page "$pg" > "$OUT/ncu-p$pg.log" 2>&1 ||
+        { tail -5 "$OUT/ncu-p$pg.log"; exit 1; }
+      $NCU -i "$OUT/ncu-p$pg.ncu-rep" --page details > "$OUT/ncu-p$pg.txt" 2>&1
+      # Per SASS instruction: its stall samples (warp state at each sample), for the producer's loop.
+      $NCU -i "$OUT/ncu-p$pg.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-p$pg-sass.csv" 2>&1
+      reps="$reps $OUT/ncu-p$pg.txt"
+    done
+    python3 tests/cuda/ncu_side.py $reps
     exit 0
   fi
   # Table helpers of pages and pagesize. two_rounds ARGS...: one decode step of the bench
