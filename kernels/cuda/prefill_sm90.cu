@@ -294,29 +294,35 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
     if (lane == 0 && kt == kt_begin) st_shared_u32(base + L::OFF_NEXT + 4 * st, (uint32_t)next);
     if (lane == 0 && n_load > 0) mbar_arrive_tx(bar, (uint32_t)n_load * chunk_bytes);
     __syncwarp();
-    /* One elected lane issues every box of the tile, chunk c's page id taken from lane c by a
-     * shuffle from a fixed lane, so ptxas holds the box's row and destination in uniform
-     * registers and issues each TMA at once; with lane c issuing chunk c it loops over the
-     * lanes for each box (ELECT, R2UR, branch: ~50 ns a box, 0.75 us a tile at page 16,
-     * NOTES v5.21). */
-    const bool issuer = elect_one();
+    if constexpr (KVF) {
+      /* Streaming decode: one elected lane issues every box of the tile, chunk c's page id
+       * taken from lane c by a shuffle from a fixed lane, so ptxas holds each box's row and
+       * destination in uniform registers and issues each TMA at once. With lane c issuing
+       * chunk c (below) it loops over the lanes for each box (ELECT, R2UR, branch: ~50 ns a
+       * box, 0.75 us a tile at page 16): 0.2-1.1 % a decode step here, while prefill (K/V
+       * from the L2) ran ~1 % slower with it (NOTES v5.21). */
+      const bool issuer = elect_one();
 #pragma unroll
-    for (int c = 0; c < BN / 8; c++) {
-      if (c >= nchunk) break;
-      const int32_t pgc = __shfl_sync(0xffffffffu, pg, c);
-      if (pgc >= 0 && issuer) {
-        const int row = (int)((int64_t)pgc * page_rows + k_rows + ((k0 + c * R) & (a.page_tokens - 1)));
+      for (int c = 0; c < BN / 8; c++) {
+        if (c >= nchunk) break;
+        const int32_t pgc = __shfl_sync(0xffffffffu, pg, c);
+        if (pgc >= 0 && issuer) {
+          const int row = (int)((int64_t)pgc * page_rows + k_rows + ((k0 + c * R) & (a.page_tokens - 1)));
 #pragma unroll
-        for (int cb = 0; cb < L::CB; cb++) {
-          const uint32_t ko = kd + cb * BN * 128 + c * R * 128, vo = vd + cb * BN * 128 + c * R * 128;
-          if constexpr (KVF) {
-            tma_load_2d(ko, tm, cb * 64, row, bar, da_l2_evict_first());
-            tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar, da_l2_evict_first());
-          } else {
-            tma_load_2d(ko, tm, cb * 64, row, bar);
-            tma_load_2d(vo, tm, cb * 64, row + (int)v_rows, bar);
+          for (int cb = 0; cb < L::CB; cb++) {
+            const uint32_t o = cb * BN * 128 + c * R * 128;
+            tma_load_2d(kd + o, tm, cb * 64, row, bar, da_l2_evict_first());
+            tma_load_2d(vd + o, tm, cb * 64, row + (int)v_rows, bar, da_l2_evict_first());
           }
         }
+      }
+    } else if (pg >= 0) {
+      const int row = (int)((int64_t)pg * page_rows + k_rows + ((k0 + lane * R) & (a.page_tokens - 1)));
+#pragma unroll
+      for (int cb = 0; cb < L::CB; cb++) {
+        const uint32_t o = cb * BN * 128 + lane * R * 128;
+        tma_load_2d(kd + o, tm, cb * 64, row, bar);
+        tma_load_2d(vd + o, tm, cb * 64, row + (int)v_rows, bar);
       }
     }
     if (!clean) {
