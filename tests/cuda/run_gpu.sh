@@ -9,7 +9,7 @@
 # (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
 # profile-pages: one in-order decode step of PB (32) x PL (65536) at each page size of
 # PAGE_SIZES (16 64), ncu's sections side by side and each one's per-SASS-line stall samples
-# (ncu-pP-sass.csv under $OUT);
+# (ncu-pP-sass.csv under $OUT, summarised by tests/cuda/ncu_sass.py);
 # ceiling: read and copy bandwidth, reads in page-sized chunks in order and shuffled, and
 # the decode kernel's own TMA stream and cuDNN's load path (tests/cuda/readbw.cu; READBW=big:
 # the stream forms only, over 8 GiB; READBW=release: the decode stream under the consumer's
@@ -130,6 +130,7 @@ if [ "$what" != tests ]; then
       reps="$reps $OUT/ncu-p$pg.txt"
     done
     python3 tests/cuda/ncu_side.py $reps
+    TOP=8 python3 tests/cuda/ncu_sass.py "$OUT"/ncu-p*-sass.csv
     exit 0
   fi
   # Table helpers of pages and pagesize. two_rounds ARGS...: one decode step of the bench
