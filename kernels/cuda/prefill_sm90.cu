@@ -299,7 +299,7 @@ __device__ __forceinline__ void produce(const da_cu_args &a, const prod_item &pi
        * taken from lane c by a shuffle from a fixed lane, so ptxas holds each box's row and
        * destination in uniform registers and issues each TMA at once. With lane c issuing
        * chunk c (below) it loops over the lanes for each box (ELECT, R2UR, branch: ~50 ns a
-       * box, 0.75 us a tile at page 16): decode steps 0.2-2.7 % shorter, while prefill (K/V
+       * box, 0.75 us a tile at page 16): decode steps 0.1-2.7 % shorter, while prefill (K/V
        * from the L2) ran ~1 % slower with it (NOTES v5.21). */
       const bool issuer = elect_one();
 #pragma unroll
