@@ -202,7 +202,8 @@ attn_kernel(const da_cu_args a) {
   ri[0] = make_row(a, at, it.kv_head, it.row0 + rbase + g);
   ri[1] = make_row(a, at, it.kv_head, it.row0 + rbase + g + 8);
   const bool warp_active = SPLIT || it.row0 + warp * 16 < n_rows;
-  const bool partial = at.slot_base >= 0;
+  const bool prefix = (it.flags & DA_CU_ITEM_PREFIX) != 0; /* folds in-row, ends in its rows' first slots */
+  const bool partial = at.slot_base >= 0 && !prefix;
   const bool lse_writer = !SPLIT || warp == 0;
   const int dcol0 = SPLIT ? warp * NV : 0; /* first output n8 fragment of this warp */
 
@@ -414,6 +415,14 @@ attn_kernel(const da_cu_args a) {
     const row_info &w = ri[r];
     if (!w.valid) continue;
     const int64_t row = (int64_t)w.t * a.n_q_heads + w.h;
+    if (prefix) {
+      if (w.jf >= it.j1) continue; /* none of the row's splits in this item */
+      const int64_t slot = at.slot_base + row * at.n_splits + w.jf;
+      da_store_fold<NV>(r, a.acc_o + slot * D + dcol0 * 8 + qd * 2,
+                        [&](int n, int e) -> float & { return myfold[(n * 4 + e) * 32]; },
+                        qd == 0 && lse_writer ? a.acc_lse + slot : nullptr, fold_lse[r]);
+      continue;
+    }
     uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D +
                                                  dcol0 * 8 + qd * 2);
 #pragma unroll

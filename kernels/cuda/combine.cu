@@ -2,7 +2,9 @@
  * combine.cu — the deterministic combine of split partials: a row's splits (o_j fp32,
  * lse_j) from the accumulator pool are folded in ascending j, starting from its first
  * split, with the same da_merge_weights / da_merge_o as the in-row folds. One
- * split: the output is o_0 rounded, no merge applied.
+ * split: the output is o_0 rounded, no merge applied. Where a prefix item (item.h) folded
+ * the row's first splits, its fold in the first split's slot is the state the fold goes on
+ * from (da_cu_citem.jc).
  */
 #include <atomic>
 
@@ -87,10 +89,13 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   const int row = ci.row0;
   const int p = at.q_pos + row / a.n_q_heads;
   const int w0 = a.window > 0 ? max(0, p - a.window + 1) : 0;
-  const int jf = w0 / a.split_tokens;
-  const int n = p / a.split_tokens - jf; /* splits merged into the first one */
+  const int jf = w0 / a.split_tokens, jl = p / a.split_tokens;
+  /* Slot jf holds the fold of splits [jf, js): split jf's own, or a prefix item's fold */
+  const int js = max(jf + 1, min(ci.jc, jl + 1));
+  const int n = jl + 1 - js; /* splits merged into it */
   const int nch = (n + CH - 1) / CH;
   const int64_t first = at.slot_base + (int64_t)row * at.n_splits + jf; /* slot of split jf */
+  const int64_t next = first + (js - jf);                               /* slot of split js */
   const uint32_t wfull = smem_addr(s_bar[0]), dfull = smem_addr(s_bar[1]), wempty = smem_addr(s_bar[2]);
 #if __CUDA_ARCH__ >= 900
   constexpr uint32_t DFULL_ARRIVALS = 1;
@@ -118,7 +123,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     /* The chain warp: every lane runs the same chain (no divergence), lane 0 publishes. The
      * lse_j of the next chunk are loaded while this one's chain runs. */
     const bool lead = tid == FOLD;
-    const float *lse_j = a.acc_lse + first + 1;
+    const float *lse_j = a.acc_lse + next;
     float lse = a.acc_lse[first];
     float cur[CH], nxt[CH];
 #pragma unroll
@@ -151,7 +156,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     return;
   }
 
-  auto chunk_src = [&](int c) { return a.acc_o + (first + 1 + (int64_t)c * CH) * D; };
+  auto chunk_src = [&](int c) { return a.acc_o + (next + (int64_t)c * CH) * D; };
   auto chunk_len = [&](int c) { return min(CH, n - c * CH); };
   for (int c = 0; c < R && c < nch; c++) load_chunk<FOLD>(s_o[c], chunk_src(c), chunk_len(c) * D, dfull + 8 * c, tid);
   float o = a.acc_o[first * D + tid];
@@ -204,7 +209,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
    * lines. A split's o_j is D * 4 bytes: whole 128-byte lines. */
   if (a.kv_stream) {
     const char *o0 = reinterpret_cast<const char *>(a.acc_o + first * D);
-    const int lines = (n + 1) * D * 4 / 128;
+    const int lines = (jl + 1 - jf) * D * 4 / 128; /* slots jf .. jl (those a prefix folded: unwritten) */
     for (int i = tid; i < lines; i += FOLD) da_l2_discard(o0 + 128 * i);
   }
 }

@@ -61,6 +61,9 @@ typedef struct cuda_ctx {
                        DA_CUDA_PREFILL=wgmma-serial; DA_CUDA_SM90_DECODE=1: 0 */
   int q_tma;         /* prefill_sm90.cu loads Q by TMA an item ahead (unless DA_CUDA_SM90_QTMA=0) */
   int pipes_partial; /* batches with partial rows as pipes too (unless DA_CUDA_SM90_DECODE=pipes-inrow) */
+  int prefix;        /* a partial block's first item folds in-row (DA_CU_ITEM_PREFIX; DA_CUDA_PREFIX=0: no) */
+  int prefix_tail;   /* DA_CUDA_PREFIX_TAIL=k (experiments): decode rows that would run in-row run as a
+                        prefix item and their last k splits as one-split items (PART_TAIL); 0 no */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -311,20 +314,34 @@ static int q_tma_env(int *on, char *err, size_t errlen) {
   return env_pick("DA_CUDA_SM90_QTMA", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
 }
 
-/* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
- * 0, the planner's choice. The bits never depend on it. */
-static int partial_per_env(int *per, char *err, size_t errlen) {
-  const char *env = getenv("DA_CUDA_PARTIAL_PER");
-  *per = 0;
+/* DA_CUDA_PREFIX: 1 (the default), a partial block's first item is a prefix item (item.h):
+ * it folds its splits in registers as an in-row item does and leaves one fold for the combine
+ * to go on from, instead of a partial a split; 0, every partial item writes its splits. The
+ * bits never depend on it. */
+static int prefix_env(int *on, char *err, size_t errlen) {
+  static const env_choice names[] = {{"0", 0}, {"1", 1}};
+  return env_pick("DA_CUDA_PREFIX", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
+}
+
+/* An integer experiment setting var in [lo, hi]; unset or empty: 0. what names it in the error. */
+static int int_env(const char *var, int lo, int hi, const char *what, int *out, char *err, size_t errlen) {
+  const char *env = getenv(var);
+  *out = 0;
   if (env == NULL || env[0] == '\0') return 0;
   char *end = NULL;
   const long v = strtol(env, &end, 10);
-  if (*end != '\0' || v < 1 || v > 64) {
-    snprintf(err, errlen, "cuda: DA_CUDA_PARTIAL_PER=%s: expected splits per partial work item, 1 to 64", env);
+  if (*end != '\0' || v < lo || v > hi) {
+    snprintf(err, errlen, "cuda: %s=%s: expected %s, %d to %d", var, env, what, lo, hi);
     return DETATTN_INVALID_ARGUMENT;
   }
-  *per = (int)v;
+  *out = (int)v;
   return 0;
+}
+
+/* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
+ * 0, the planner's choice. The bits never depend on it. */
+static int partial_per_env(int *per, char *err, size_t errlen) {
+  return int_env("DA_CUDA_PARTIAL_PER", 1, 64, "splits per partial work item", per, err, errlen);
 }
 
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
@@ -382,6 +399,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = deal_env(&c->deal, err, errlen);
     if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
     if (rv == 0) rv = q_tma_env(&c->q_tma, err, errlen);
+    if (rv == 0) rv = prefix_env(&c->prefix, err, errlen);
+    if (rv == 0) rv = int_env("DA_CUDA_PREFIX_TAIL", 0, 64, "tail splits", &c->prefix_tail, err, errlen);
     if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
@@ -603,6 +622,18 @@ static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+/* plan.partial[i]: how attention i runs. In-row; as partial items of plan.per splits (with
+ * prefix items, the first of a block a prefix item); or (PART_TAIL, DA_CUDA_PREFIX_TAIL) a
+ * block's splits but the last prefix_tail as one prefix item and those as one-split items. */
+enum { PART_INROW, PART_PER, PART_TAIL };
+
+/* The end of the first item of a block with splits [j0, j1) of an attention of that kind
+ * (PART_PER or PART_TAIL): a prefix item's, and so where its rows' combine goes on. */
+static int first_item_end(const cuda_ctx *c, int per, int kind, int j0, int j1) {
+  if (kind == PART_TAIL) return j1 - j0 > c->prefix_tail ? j1 - c->prefix_tail : j1;
+  return j0 + per < j1 ? j0 + per : j1;
+}
+
 static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   const da_model *m = &c->cfg.model;
   const int G = m->n_q_heads / m->n_kv_heads, P = c->cfg.page_tokens;
@@ -614,6 +645,11 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
    * partials there (long CTAs, no combine); both give the same bits. */
   const int64_t busy = 3 * (int64_t)c->n_sm / 2;
   int64_t max_block_rows = 0; /* the most rows of an attention's block, n_q G */
+  for (int i = 0; i < b->n_attns; i++)
+    if ((int64_t)b->attns[i].n_q * G > max_block_rows) max_block_rows = (int64_t)b->attns[i].n_q * G;
+  /* PART_TAIL: decode-only launches on prefill_sm90.cu with prefix items */
+  const int tail_ok = c->prefix && c->prefix_tail > 0 && c->sm90_decode && max_block_rows <= 16;
+  int64_t n_tail = 0; /* items of PART_TAIL attentions */
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -625,13 +661,17 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     const int64_t need = (int64_t)a->n_q * m->n_q_heads * nsp;
     int part = 0;
     if (multi && need <= slots_free) {
-      if (b->split_mode == DA_SPLIT_PARTIAL) part = 1;
-      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = 1;
+      if (b->split_mode == DA_SPLIT_PARTIAL) part = PART_PER;
+      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = PART_PER;
+      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && nsp - w0 / S > 2 * (int64_t)c->prefix_tail)
+        part = PART_TAIL;
     }
     pl->partial[i] = (unsigned char)part;
-    if ((int64_t)a->n_q * G > max_block_rows) max_block_rows = (int64_t)a->n_q * G;
     if (part) slots_free -= need, pl->slots += need;
-    if (part && nsp > pl->max_splits) pl->max_splits = (int)nsp;
+    /* the most splits a combine row merges */
+    const int64_t merged = part == PART_TAIL ? c->prefix_tail + 1 : nsp;
+    if (part && merged > pl->max_splits) pl->max_splits = (int)merged;
+    if (part == PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + c->prefix_tail); /* one block: n_q G <= 16 */
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
@@ -672,7 +712,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* prefill_sm90.cu's persistent grid (not one CTA per item) by ticket or round-robin. */
   pl->tickets = c->sm90_prefill && c->sm90_grid >= 0 &&
                 (c->deal == DEAL_TICKETS || (c->deal == DEAL_TICKETS_INROW && pl->partial_rows == 0));
-  pl->n_items += n_part;
+  pl->n_items += n_part + n_tail;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
     if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
@@ -724,26 +764,32 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
    * rows (decode; the second launch); in each, in-row items first: they are the long
    * ones, so they start in the first wave. An attention's blocks go last row first: with
    * causal masks those see the most keys, so the short ones fill the last wave. */
+  /* Pass 0 in-row items, pass 1 partial ones (PART_TAIL: the prefix items), pass 2 the
+   * PART_TAIL attentions' one-split items, after every prefix item. */
   int64_t n_split = 0;
   for (int small = 0; small < 2; small++) {
-    for (int pass = 0; pass < 2; pass++) {
+    for (int pass = 0; pass < 3; pass++) {
       for (int i = 0; i < b->n_attns; i++) {
         const da_attn *a = &b->attns[i];
         const int64_t n_rows = (int64_t)a->n_q * G;
-        if (pl->partial[i] != pass) continue;
+        const int kind = pl->partial[i];
+        if (pass == 0 ? kind != PART_INROW : pass == 1 ? kind == PART_INROW : kind != PART_TAIL) continue;
         for (int64_t r0 = (ceil_div(n_rows, c->brows) - 1) * c->brows; r0 >= 0; r0 -= c->brows) {
           if ((n_rows - r0 <= 16) != small) continue;
           int j0, j1;
           da_cu_block_splits(&c->cfg.model, c->brows, S, a, r0, &j0, &j1);
+          const int je = pass == 0 ? j1 : first_item_end(c, pl->per, kind, j0, j1);
           for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
-            if (!pass) {
-              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, j1};
+            if (pass < 2) { /* the block's first item */
+              const int32_t fl = pass == 1 && c->prefix ? DA_CU_ITEM_PREFIX : 0;
+              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, je, fl};
               n_split += small;
-            } else {
-              for (int j = j0; j < j1; j += pl->per) {
-                its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + pl->per < j1 ? j + pl->per : j1};
-                n_split += small;
-              }
+            }
+            if (!((pass == 1 && kind == PART_PER) || pass == 2)) continue; /* the block's later items */
+            const int step = kind == PART_TAIL ? 1 : pl->per;
+            for (int j = je; j < j1; j += step) {
+              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + step < j1 ? j + step : j1, 0};
+              n_split += small;
             }
           }
         }
@@ -791,7 +837,14 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
     at->slot_base = pl->partial[i] ? slot : -1;
     if (pl->partial[i]) {
       slot += rows * at->n_splits;
-      for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) cis[n_ci++] = (da_cu_citem){i, (int32_t)r};
+      for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) {
+        /* The row's block (rows t G + g of its kv head) and so its prefix item's splits. */
+        int j0 = 0, j1 = 0;
+        const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G;
+        if (c->prefix) da_cu_block_splits(m, c->brows, S, a, br / c->brows * c->brows, &j0, &j1);
+        const int32_t jc = c->prefix ? first_item_end(c, pl->per, pl->partial[i], j0, j1) : 0;
+        cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
+      }
     }
   }
   for (int i = 0; i < b->n_appends; i++) {
@@ -838,7 +891,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->page_shift = 0;
   while ((1 << g->page_shift) < P) g->page_shift++;
   g->split_tokens = S, g->tile_tokens = c->cfg.num.tile_tokens, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
-  g->has_inrow = pl->inrow_rows > 0;
+  g->has_inrow = pl->inrow_rows > 0 || (c->prefix && pl->partial_rows > 0); /* prefix items fold too */
   g->combine_splits = pl->max_splits;
   g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;

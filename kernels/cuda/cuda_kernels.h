@@ -49,9 +49,12 @@ typedef struct da_cu_attn {
   int32_t pad_;
 } da_cu_attn;
 
-/* One CTA of the combine kernel: row row0 of attn, linear over (t, q head). */
+/* One CTA of the combine kernel: row row0 of attn, linear over (t, q head). The row's first
+ * split's slot holds the fold of its splits before jc (a prefix item's, da_cu_item) or of
+ * that split alone (jc 0 or at most that split + 1); the combine merges splits from
+ * max(jc, first + 1) on. */
 typedef struct da_cu_citem {
-  int32_t attn, row0;
+  int32_t attn, row0, jc, pad_;
 } da_cu_citem;
 
 /* One append: n_tokens tokens at [pos, pos + n_tokens) of layer. */

@@ -35,7 +35,7 @@ int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch 
   int64_t n = 0;
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
-    if (!partial[i]) continue;
+    if (partial[i] != 1) continue;
     for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += brows) {
       int j0, j1;
       da_cu_block_splits(m, brows, S, a, r0, &j0, &j1);

@@ -17,8 +17,8 @@
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1);
 
 /*
- * Splits per work item for the blocks of b run as partials (partial[i] non-zero for
- * attention i): each block of n splits becomes ceil(n / per) items per kv head. slots is how
+ * Splits per work item for the blocks of b run as partials in items of per splits
+ * (partial[i] == 1 for attention i; other non-zero kinds are the caller's): each block of n splits becomes ceil(n / per) items per kv head. slots is how
  * many items run at once (the persistent grid's CTAs, or the resident CTAs of all SMs); the
  * choice is the per whose items fill the fewest waves of slots, costed in key tiles of T
  * tokens with one tile more per item for its start (so ties go to fewer, longer items).

@@ -285,6 +285,18 @@ __device__ __forceinline__ float da_split_end(const float (&acc)[NV][4], int r, 
   return mw.lse;
 }
 
+/* A prefix item's end (item.h) for row r: the fold's elements as DA_END_WRITE lays out an
+ * o_j (part + n * 8 gets the pair of fragment n), and fold_lse to *lse_slot where lse_slot is
+ * non-null (one lane of the row's), both kept in the L2 for the combine. The combine takes them
+ * as its left fold's state, exactly as the in-row fold would have gone on from them. */
+template <int NV, class Fold>
+__device__ __forceinline__ void da_store_fold(int r, float *part, Fold &&fold, float *lse_slot, float fold_lse) {
+  const uint64_t pol = da_l2_evict_last();
+#pragma unroll
+  for (int n = 0; n < NV; n++) da_st_partial2(part + n * 8, fold(n, 2 * r), fold(n, 2 * r + 1), pol);
+  if (lse_slot != nullptr) da_st_partial(lse_slot, fold_lse, pol);
+}
+
 /* Output lse in natural log from the log2-domain value. */
 __device__ __forceinline__ float da_lse_out(float lse2) { return __fmul_rn(lse2, DA_LN2); }
 

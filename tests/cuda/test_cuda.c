@@ -393,6 +393,56 @@ START_TEST(streaming_batch_equals_rows_alone) {
 }
 END_TEST
 
+/* DA_CUDA_PREFIX_TAIL: a decode batch big enough to run in-row (more kv-head blocks than 1.5x
+ * the SMs) runs each row as a prefix item and its last splits as one-split items, combined,
+ * and gives the in-row bits; with a window, the rows' first splits are not 0. */
+START_TEST(tail_items_equal_inrow) {
+  static const tcfg tc[] = {{.hq = 16, .hkv = 8, .d = 128, .S = 128, .P = 16, .dt = DA_BF16},
+                            {.hq = 16, .hkv = 8, .d = 64, .window = 300, .S = 64, .P = 16, .dt = DA_FP16}};
+  const tcfg *c = &tc[_i];
+  enum { NS = 40, N = 1000 };
+  const int n_pool = NS * (N / c->P + 1) + 16;
+  da_rng r;
+  da_rng_seed(&r, g_seed + 800 + (uint64_t)_i);
+  setenv("DA_CUDA_PREFIX_TAIL", "2", 1);
+  da_backend *be = open_be_with(c, n_pool, 1);
+  unsetenv("DA_CUDA_PREFIX_TAIL");
+  const int sm90 = strcmp(da_backend_get_info(be)->arch, "sm_90") == 0;
+  uint8_t *used = calloc((size_t)n_pool, 1);
+  ck_assert(used != NULL);
+  seq s[NS];
+  for (int i = 0; i < NS; i++) {
+    seq_init_in(&s[i], c, N, &r, used, n_pool);
+    da_append ap = mk_append(c, &s[i], 0, 0, N);
+    da_batch b = {.appends = &ap, .n_appends = 1};
+    da_batch_result res;
+    run_ok(be, &b, &res);
+  }
+  const size_t row = (size_t)c->hq * c->d;
+  uint16_t *o[2];
+  float *lse[2];
+  for (int k = 0; k < 2; k++) {
+    o[k] = malloc((size_t)NS * row * 2), lse[k] = malloc((size_t)NS * c->hq * 4);
+    ck_assert(o[k] && lse[k]);
+    da_attn at[NS];
+    for (int i = 0; i < NS; i++) {
+      at[i] = mk_attn(c, &s[i], 0, N - 1, 1, o[k], lse[k]);
+      at[i].o = o[k] + (size_t)i * row, at[i].lse = lse[k] + (size_t)i * c->hq;
+    }
+    da_batch b = {.attns = at, .n_attns = NS, .split_mode = k ? DA_SPLIT_AUTO : DA_SPLIT_INROW};
+    da_batch_result res;
+    run_ok(be, &b, &res);
+    ck_assert_int_eq(res.partial_rows, k && sm90 ? (int64_t)NS * c->hq : 0);
+  }
+  assert_same(o[0], o[1], (size_t)NS * row * 2, "tail items o");
+  assert_same(lse[0], lse[1], (size_t)NS * c->hq * 4, "tail items lse");
+  for (int k = 0; k < 2; k++) free(o[k]), free(lse[k]);
+  for (int i = 0; i < NS; i++) seq_fini(&s[i]);
+  free(used);
+  da_backend_close(be);
+}
+END_TEST
+
 /* A sequence forked from a shared prefix (pages shared, last partial page copied) equals a
  * fresh sequence with the same tokens, and the source is unchanged by the fork's writes. */
 START_TEST(fork_equals_fresh_and_leaves_source_intact) {
@@ -512,7 +562,9 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_PARTIAL_PER", "4x", "expected splits per partial work item, 1 to 64"},
              {"DA_CUDA_SM90_DEAL", "dynamic", "expected round-robin, tickets-inrow or tickets"},
              {"DA_CUDA_L2_PROMO", "128", "expected none or 256"},
-             {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"}};
+             {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"},
+             {"DA_CUDA_PREFIX", "yes", "expected 0 or 1"},
+             {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits, 0 to 64"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -628,10 +680,12 @@ START_TEST(digests_pinned_for_this_kernel_version) {
 END_TEST
 
 /* How prefill_sm90.cu's grid gets its items, whether decode batches with partial rows run as
- * pipes, and the L2 promotion of its K/V loads never change a bit: the pinned workload dealt
- * round-robin, with tickets for in-row batches only, with pipes for in-row decode batches
- * only, and with either promotion (one of them is the card's default) gives the default's
- * digests (every launch by ticket, every decode batch as pipes). */
+ * pipes, the L2 promotion of its K/V loads, Q's path, prefix items and the splits a partial
+ * item takes never change a bit: the pinned workload dealt round-robin, with tickets for
+ * in-row batches only, with pipes for in-row decode batches only, with either promotion (one
+ * of them is the card's default), without Q by TMA, without prefix items (every partial
+ * split written and combined) and with partial items of 1 and 3 splits (prefix items of one
+ * split, or of a few before partial ones) gives the default's digests. */
 START_TEST(every_deal_gives_the_same_digests) {
   static const struct {
     const char *var, *val;
@@ -640,7 +694,10 @@ START_TEST(every_deal_gives_the_same_digests) {
                {"DA_CUDA_SM90_DECODE", "pipes-inrow"},
                {"DA_CUDA_L2_PROMO", "none"},
                {"DA_CUDA_L2_PROMO", "256"},
-               {"DA_CUDA_SM90_QTMA", "0"}};
+               {"DA_CUDA_SM90_QTMA", "0"},
+               {"DA_CUDA_PREFIX", "0"},
+               {"DA_CUDA_PARTIAL_PER", "1"},
+               {"DA_CUDA_PARTIAL_PER", "3"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
   for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
@@ -682,6 +739,7 @@ int main(void) {
   tcase_add_loop_test(tc, page_sizes_are_bit_identical, 0, N_CFGS);
   tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
+  tcase_add_loop_test(tc, tail_items_equal_inrow, 0, 2);
   tcase_add_test(tc, digests_pinned_for_this_kernel_version);
   tcase_add_test(tc, every_deal_gives_the_same_digests);
   suite_add_tcase(su, tc);

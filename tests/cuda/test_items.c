@@ -133,7 +133,7 @@ static int64_t build_prefill(const da_model *m, const da_attn *attns, int n_attn
     for (int64_t r0 = (rows + BROWS - 1) / BROWS * BROWS - BROWS; r0 >= 0; r0 -= BROWS) {
       int j0, j1;
       da_cu_block_splits(m, BROWS, S, &attns[i], r0, &j0, &j1);
-      for (int h = 0; h < m->n_kv_heads; h++) its[n++] = (da_cu_item){i, h, (int32_t)r0, j0, j1};
+      for (int h = 0; h < m->n_kv_heads; h++) its[n++] = (da_cu_item){i, h, (int32_t)r0, j0, j1, 0};
     }
   }
   return n;
@@ -162,11 +162,11 @@ START_TEST(item_tiles_count_the_keys_a_block_sees) {
   da_model m = model;
   const da_attn a = {.q_pos = 1000, .n_q = 300}; /* positions 1000 .. 1299 */
   /* Rows 0-127: tokens 1000-1031 (G 4); keys 0-1031: tiles 0-16, splits 0-2 of 512. */
-  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 0, 3}), 17);
-  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 2}), 8);  /* split 1 only */
-  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 1280, 0, 3}), 0); /* no rows */
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 0, 3, 0}), 17);
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 2, 0}), 8);  /* split 1 only */
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 1280, 0, 3, 0}), 0); /* no rows */
   m.window = 100; /* rows 0-127 see keys 901-1031: tiles 14-16 */
-  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 3}), 3);
+  ck_assert_int_eq(da_cu_item_tiles(&m, BROWS, S, T, &a, &(da_cu_item){0, 0, 0, 1, 3, 0}), 3);
 }
 END_TEST
 
