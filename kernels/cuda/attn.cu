@@ -202,8 +202,8 @@ attn_kernel(const da_cu_args a) {
   ri[0] = make_row(a, at, it.kv_head, it.row0 + rbase + g);
   ri[1] = make_row(a, at, it.kv_head, it.row0 + rbase + g + 8);
   const bool warp_active = SPLIT || it.row0 + warp * 16 < n_rows;
-  const bool prefix = (it.flags & DA_CU_ITEM_PREFIX) != 0; /* folds in-row, ends in its rows' first slots */
-  const bool partial = at.slot_base >= 0 && !prefix;
+  /* A prefix item (item.h) folds as an in-row item does: partial only for the others. */
+  const bool partial = at.slot_base >= 0 && !(it.flags & DA_CU_ITEM_PREFIX);
   const bool lse_writer = !SPLIT || warp == 0;
   const int dcol0 = SPLIT ? warp * NV : 0; /* first output n8 fragment of this warp */
 
@@ -415,8 +415,7 @@ attn_kernel(const da_cu_args a) {
     const row_info &w = ri[r];
     if (!w.valid) continue;
     const int64_t row = (int64_t)w.t * a.n_q_heads + w.h;
-    if (prefix) {
-      if (w.jf >= it.j1) continue; /* none of the row's splits in this item */
+    if (at.slot_base >= 0) { /* a prefix item (the planner's: each row's first split is the item's j0) */
       const int64_t slot = at.slot_base + row * at.n_splits + w.jf;
       da_store_fold<NV>(r, a.acc_o + slot * D + dcol0 * 8 + qd * 2,
                         [&](int n, int e) -> float & { return myfold[(n * 4 + e) * 32]; },

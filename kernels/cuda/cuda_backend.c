@@ -62,8 +62,9 @@ typedef struct cuda_ctx {
   int q_tma;         /* prefill_sm90.cu loads Q by TMA an item ahead (unless DA_CUDA_SM90_QTMA=0) */
   int pipes_partial; /* batches with partial rows as pipes too (unless DA_CUDA_SM90_DECODE=pipes-inrow) */
   int prefix;        /* a partial block's first item folds in-row (DA_CU_ITEM_PREFIX; DA_CUDA_PREFIX=0: no) */
-  int prefix_tail;   /* DA_CUDA_PREFIX_TAIL=k (experiments): decode rows that would run in-row run as a
-                        prefix item and their last k splits as one-split items (PART_TAIL); 0 no */
+  int prefix_tail;   /* decode rows that would run in-row run as a prefix item and their last splits as
+                        one-split items (PART_TAIL): -1 by rule (tail_splits), 0 never, k > 0 the last k
+                        (DA_CUDA_PREFIX_TAIL) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -338,6 +339,21 @@ static int int_env(const char *var, int lo, int hi, const char *what, int *out, 
   return 0;
 }
 
+/* DA_CUDA_PREFIX_TAIL: unset or empty, the planner's rule (-1: tail_splits); 0, never; k (1 to
+ * 64, experiments), the last k splits of every row that can run so. The bits never depend on it. */
+static int prefix_tail_env(int *tail, char *err, size_t errlen) {
+  const char *env = getenv("DA_CUDA_PREFIX_TAIL");
+  if (env == NULL || env[0] == '\0') {
+    *tail = -1;
+    return 0;
+  }
+  if (strcmp(env, "0") == 0) {
+    *tail = 0;
+    return 0;
+  }
+  return int_env("DA_CUDA_PREFIX_TAIL", 1, 64, "tail splits (0 none)", tail, err, errlen);
+}
+
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
@@ -400,7 +416,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
     if (rv == 0) rv = q_tma_env(&c->q_tma, err, errlen);
     if (rv == 0) rv = prefix_env(&c->prefix, err, errlen);
-    if (rv == 0) rv = int_env("DA_CUDA_PREFIX_TAIL", 0, 64, "tail splits", &c->prefix_tail, err, errlen);
+    if (rv == 0) rv = prefix_tail_env(&c->prefix_tail, err, errlen);
     if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
@@ -627,10 +643,38 @@ static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
  * block's splits but the last prefix_tail as one prefix item and those as one-split items. */
 enum { PART_INROW, PART_PER, PART_TAIL };
 
+/*
+ * The one-split items a decode block of n splits leaves after its prefix item as PART_TAIL; 0:
+ * not so. In-row decode blocks of a launch that fills the GPU (B >= 32) end unevenly: the SMs
+ * that draw more bandwidth finish their rows early and idle (NOTES.md v5.20); its last
+ * splits as items by ticket go to the pipes that are free. Same-run A/B on an H200 (NOTES.md
+ * v5.22), the last k of n = 128 splits: k 4 / 8 / 16 B 32 0.994 / 0.990 / 0.985, B 64 0.995 /
+ * 0.992 / 0.992; n = 32: k 4 / 8 0.995-0.997; n = 8, k 2: 2-4 % slower. So
+ * n / 8 from 32 splits.
+ */
+static int tail_splits(const cuda_ctx *c, int64_t n) {
+  const int64_t k = c->prefix_tail < 0 ? (n >= 32 ? n / 8 : 0) : c->prefix_tail;
+  return k > 0 && n > 2 * k ? (int)k : 0;
+}
+
+/* Whether the block of rows [r0, r0 + brows) of a, its splits from j0, has a prefix item: prefix
+ * items on, and every row's first split is j0 (the kernels rely on it; with a window a later
+ * row's first split can be later). */
+static int prefix_block(const cuda_ctx *c, int S, const da_attn *a, int64_t r0, int j0) {
+  const da_model *m = &c->cfg.model;
+  if (!c->prefix) return 0;
+  if (m->window <= 0) return 1;
+  const int G = m->n_q_heads / m->n_kv_heads;
+  int64_t last = r0 + c->brows, n_rows = (int64_t)a->n_q * G;
+  if (last > n_rows) last = n_rows;
+  const int64_t p = a->q_pos + (last - 1) / G, w0 = p - m->window + 1 > 0 ? p - m->window + 1 : 0;
+  return w0 / S == j0;
+}
+
 /* The end of the first item of a block with splits [j0, j1) of an attention of that kind
  * (PART_PER or PART_TAIL): a prefix item's, and so where its rows' combine goes on. */
 static int first_item_end(const cuda_ctx *c, int per, int kind, int j0, int j1) {
-  if (kind == PART_TAIL) return j1 - j0 > c->prefix_tail ? j1 - c->prefix_tail : j1;
+  if (kind == PART_TAIL) return j1 - tail_splits(c, j1 - j0);
   return j0 + per < j1 ? j0 + per : j1;
 }
 
@@ -648,7 +692,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_attns; i++)
     if ((int64_t)b->attns[i].n_q * G > max_block_rows) max_block_rows = (int64_t)b->attns[i].n_q * G;
   /* PART_TAIL: decode-only launches on prefill_sm90.cu with prefix items */
-  const int tail_ok = c->prefix && c->prefix_tail > 0 && c->sm90_decode && max_block_rows <= 16;
+  const int tail_ok = c->prefix && c->prefix_tail != 0 && c->sm90_decode && max_block_rows <= 16;
   int64_t n_tail = 0; /* items of PART_TAIL attentions */
 
   for (int i = 0; i < b->n_attns; i++) {
@@ -663,15 +707,17 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (multi && need <= slots_free) {
       if (b->split_mode == DA_SPLIT_PARTIAL) part = PART_PER;
       else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && nsp - w0 / S > 2 * (int64_t)c->prefix_tail)
+      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && tail_splits(c, nsp - w0 / S) > 0 &&
+               prefix_block(c, S, a, 0, (int)(w0 / S))) /* one block (n_q G <= 16), from w0's split */
         part = PART_TAIL;
     }
     pl->partial[i] = (unsigned char)part;
     if (part) slots_free -= need, pl->slots += need;
     /* the most splits a combine row merges */
-    const int64_t merged = part == PART_TAIL ? c->prefix_tail + 1 : nsp;
+    const int tail = part == PART_TAIL ? tail_splits(c, nsp - w0 / S) : 0;
+    const int64_t merged = part == PART_TAIL ? tail + 1 : nsp;
     if (part && merged > pl->max_splits) pl->max_splits = (int)merged;
-    if (part == PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + c->prefix_tail); /* one block: n_q G <= 16 */
+    if (part == PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + tail); /* one block: n_q G <= 16 */
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
@@ -779,9 +825,9 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
           int j0, j1;
           da_cu_block_splits(&c->cfg.model, c->brows, S, a, r0, &j0, &j1);
           const int je = pass == 0 ? j1 : first_item_end(c, pl->per, kind, j0, j1);
+          const int32_t fl = pass == 1 && prefix_block(c, S, a, r0, j0) ? DA_CU_ITEM_PREFIX : 0;
           for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
             if (pass < 2) { /* the block's first item */
-              const int32_t fl = pass == 1 && c->prefix ? DA_CU_ITEM_PREFIX : 0;
               its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, je, fl};
               n_split += small;
             }
@@ -839,10 +885,10 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       slot += rows * at->n_splits;
       for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) {
         /* The row's block (rows t G + g of its kv head) and so its prefix item's splits. */
-        int j0 = 0, j1 = 0;
-        const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G;
-        if (c->prefix) da_cu_block_splits(m, c->brows, S, a, br / c->brows * c->brows, &j0, &j1);
-        const int32_t jc = c->prefix ? first_item_end(c, pl->per, pl->partial[i], j0, j1) : 0;
+        int j0 = 0, j1 = 0, jc = 0;
+        const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G, r0 = br / c->brows * c->brows;
+        if (c->prefix) da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
+        if (c->prefix && prefix_block(c, S, a, r0, j0)) jc = first_item_end(c, pl->per, pl->partial[i], j0, j1);
         cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
       }
     }

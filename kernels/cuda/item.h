@@ -12,7 +12,8 @@
  * fold them; partial items write each of their splits to its own accumulator slot, except a
  * prefix item (flags DA_CU_ITEM_PREFIX: its block's first item): it folds its splits as an
  * in-row item does and writes each row's fold (fp32 o, lse) to the slot of the row's first
- * split, where the combine's left fold goes on (da_cu_citem.jc). A persistent grid deals
+ * split, j0 (the planner makes prefix items only of blocks whose rows all start there), where
+ * the combine's left fold goes on (da_cu_citem.jc). A persistent grid deals
  * several items to each CTA (items.h, da_cu_deal). */
 #define DA_CU_ITEM_PREFIX 1
 typedef struct da_cu_item {

@@ -438,8 +438,8 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
   row_info ri[2];
   ri[0] = make_row(a, at, r0);
   ri[1] = make_row(a, at, r0 + 8);
-  const bool prefix = (it.flags & DA_CU_ITEM_PREFIX) != 0; /* folds in-row, ends in its rows' first slots */
-  const bool partial = at.slot_base >= 0 && !prefix;
+  /* A prefix item (item.h) folds as an in-row item does: partial only for the others. */
+  const bool partial = at.slot_base >= 0 && !(it.flags & DA_CU_ITEM_PREFIX);
 
   /* Q: qf[kk] is the A fragment of k-step kk (rows r0, r0 + 8; columns 16 kk + 2 qd (+1),
    * + 8), zero past the last row. In registers, or (QS) stored to the warpgroup's swizzled
@@ -848,8 +848,7 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
     const row_info &w = ri[r];
     if (!w.valid) continue;
     const int64_t row = out_row(a, it.kv_head, r0 + 8 * r);
-    if (prefix) {
-      if (w.jf >= it.j1) continue; /* none of the row's splits in this item */
+    if (at.slot_base >= 0) { /* a prefix item (the planner's: each row's first split is the item's j0) */
       const int64_t slot = at.slot_base + row * at.n_splits + w.jf;
       da_store_fold<NV>(r, a.acc_o + slot * D + qd * 2, [&](int n, int e) -> float & { return fold[n][e]; },
                         qd == 0 ? a.acc_lse + slot : nullptr, fold_lse[r]);

@@ -564,7 +564,7 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_L2_PROMO", "128", "expected none or 256"},
              {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"},
              {"DA_CUDA_PREFIX", "yes", "expected 0 or 1"},
-             {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits, 0 to 64"}};
+             {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits (0 none), 1 to 64"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
