@@ -63,7 +63,8 @@ typedef struct cuda_ctx {
   int pipes_partial; /* batches with partial rows as pipes too (unless DA_CUDA_SM90_DECODE=pipes-inrow) */
   int prefix;        /* a partial block's first item folds in-row (DA_CU_ITEM_PREFIX; DA_CUDA_PREFIX=0: no) */
   int prefix_tail;   /* decode rows that would run in-row run as a prefix item and their last splits as
-                        one-split items (PART_TAIL): -1 by rule (tail_splits), 0 never, k > 0 the last k
+                        one-split items (DA_CU_PART_TAIL): -1 by rule (da_cu_tail_splits), 0 never, k > 0
+                        the last k
                         (DA_CUDA_PREFIX_TAIL) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
@@ -339,7 +340,7 @@ static int int_env(const char *var, int lo, int hi, const char *what, int *out, 
   return 0;
 }
 
-/* DA_CUDA_PREFIX_TAIL: unset or empty, the planner's rule (-1: tail_splits); 0, never; k (1 to
+/* DA_CUDA_PREFIX_TAIL: unset or empty, the planner's rule (-1: da_cu_tail_splits); 0, never; k (1 to
  * 64, experiments), the last k splits of every row that can run so. The bits never depend on it. */
 static int prefix_tail_env(int *tail, char *err, size_t errlen) {
   const char *env = getenv("DA_CUDA_PREFIX_TAIL");
@@ -629,7 +630,7 @@ typedef struct plan {
   int64_t gseg_max, sseg_max; /* their largest segment, bytes */
   int host_in, host_out;    /* some inputs come from / outputs go to host memory (copied with the
                                staging buffers; device-address tensors need only the metadata) */
-  unsigned char *partial; /* per attn: 1 when run as partials */
+  unsigned char *partial; /* per attn: how it runs, DA_CU_INROW, _PART_PER or _PART_TAIL (items.h) */
   size_t off_attn, off_item, off_citem, off_app, off_copy, off_pt, off_gseg, off_sseg, off_q, off_kvin, in_bytes;
   size_t off_o, off_lse, out_bytes;
 } plan;
@@ -638,44 +639,9 @@ static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* plan.partial[i]: how attention i runs. In-row; as partial items of plan.per splits (with
- * prefix items, the first of a block a prefix item); or (PART_TAIL, DA_CUDA_PREFIX_TAIL) a
- * block's splits but the last prefix_tail as one prefix item and those as one-split items. */
-enum { PART_INROW, PART_PER, PART_TAIL };
-
-/*
- * The one-split items a decode block of n splits leaves after its prefix item as PART_TAIL; 0:
- * not so. In-row decode blocks of a launch that fills the GPU (B >= 32) end unevenly: the SMs
- * that draw more bandwidth finish their rows early and idle (NOTES.md v5.20); its last
- * splits as items by ticket go to the pipes that are free. Same-run A/B on an H200 (NOTES.md
- * v5.22), the last k of n = 128 splits: k 4 / 8 / 16 B 32 0.994 / 0.990 / 0.985, B 64 0.995 /
- * 0.992 / 0.992; n = 32: k 4 / 8 0.995-0.997; n = 8, k 2: 2-4 % slower. So
- * n / 8 from 32 splits.
- */
-static int tail_splits(const cuda_ctx *c, int64_t n) {
-  const int64_t k = c->prefix_tail < 0 ? (n >= 32 ? n / 8 : 0) : c->prefix_tail;
-  return k > 0 && n > 2 * k ? (int)k : 0;
-}
-
-/* Whether the block of rows [r0, r0 + brows) of a, its splits from j0, has a prefix item: prefix
- * items on, and every row's first split is j0 (the kernels rely on it; with a window a later
- * row's first split can be later). */
+/* Whether block r0 of a (splits from j0) has a prefix item (items.h). */
 static int prefix_block(const cuda_ctx *c, int S, const da_attn *a, int64_t r0, int j0) {
-  const da_model *m = &c->cfg.model;
-  if (!c->prefix) return 0;
-  if (m->window <= 0) return 1;
-  const int G = m->n_q_heads / m->n_kv_heads;
-  int64_t last = r0 + c->brows, n_rows = (int64_t)a->n_q * G;
-  if (last > n_rows) last = n_rows;
-  const int64_t p = a->q_pos + (last - 1) / G, w0 = p - m->window + 1 > 0 ? p - m->window + 1 : 0;
-  return w0 / S == j0;
-}
-
-/* The end of the first item of a block with splits [j0, j1) of an attention of that kind
- * (PART_PER or PART_TAIL): a prefix item's, and so where its rows' combine goes on. */
-static int first_item_end(const cuda_ctx *c, int per, int kind, int j0, int j1) {
-  if (kind == PART_TAIL) return j1 - tail_splits(c, j1 - j0);
-  return j0 + per < j1 ? j0 + per : j1;
+  return c->prefix && da_cu_prefix_rows(&c->cfg.model, c->brows, S, a, r0, j0);
 }
 
 static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
@@ -691,9 +657,9 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   int64_t max_block_rows = 0; /* the most rows of an attention's block, n_q G */
   for (int i = 0; i < b->n_attns; i++)
     if ((int64_t)b->attns[i].n_q * G > max_block_rows) max_block_rows = (int64_t)b->attns[i].n_q * G;
-  /* PART_TAIL: decode-only launches on prefill_sm90.cu with prefix items */
+  /* DA_CU_PART_TAIL: decode-only launches on prefill_sm90.cu with prefix items */
   const int tail_ok = c->prefix && c->prefix_tail != 0 && c->sm90_decode && max_block_rows <= 16;
-  int64_t n_tail = 0; /* items of PART_TAIL attentions */
+  int64_t n_tail = 0; /* items of DA_CU_PART_TAIL attentions */
 
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
@@ -705,19 +671,19 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     const int64_t need = (int64_t)a->n_q * m->n_q_heads * nsp;
     int part = 0;
     if (multi && need <= slots_free) {
-      if (b->split_mode == DA_SPLIT_PARTIAL) part = PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && tail_splits(c, nsp - w0 / S) > 0 &&
+      if (b->split_mode == DA_SPLIT_PARTIAL) part = DA_CU_PART_PER;
+      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = DA_CU_PART_PER;
+      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) > 0 &&
                prefix_block(c, S, a, 0, (int)(w0 / S))) /* one block (n_q G <= 16), from w0's split */
-        part = PART_TAIL;
+        part = DA_CU_PART_TAIL;
     }
     pl->partial[i] = (unsigned char)part;
     if (part) slots_free -= need, pl->slots += need;
     /* the most splits a combine row merges */
-    const int tail = part == PART_TAIL ? tail_splits(c, nsp - w0 / S) : 0;
-    const int64_t merged = part == PART_TAIL ? tail + 1 : nsp;
+    const int tail = part == DA_CU_PART_TAIL ? da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) : 0;
+    const int64_t merged = part == DA_CU_PART_TAIL ? tail + 1 : nsp;
     if (part && merged > pl->max_splits) pl->max_splits = (int)merged;
-    if (part == PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + tail); /* one block: n_q G <= 16 */
+    if (part == DA_CU_PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + tail); /* one block: n_q G <= 16 */
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
     if (part) pl->partial_rows += rows;
     else pl->inrow_rows += rows;
@@ -810,8 +776,8 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
    * rows (decode; the second launch); in each, in-row items first: they are the long
    * ones, so they start in the first wave. An attention's blocks go last row first: with
    * causal masks those see the most keys, so the short ones fill the last wave. */
-  /* Pass 0 in-row items, pass 1 partial ones (PART_TAIL: the prefix items), pass 2 the
-   * PART_TAIL attentions' one-split items, after every prefix item. */
+  /* Passes 0-2 (da_cu_block_items): in-row items, partial ones (a tail's prefix items), the
+   * tails' one-split items after every prefix item. */
   int64_t n_split = 0;
   for (int small = 0; small < 2; small++) {
     for (int pass = 0; pass < 3; pass++) {
@@ -819,24 +785,17 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         const da_attn *a = &b->attns[i];
         const int64_t n_rows = (int64_t)a->n_q * G;
         const int kind = pl->partial[i];
-        if (pass == 0 ? kind != PART_INROW : pass == 1 ? kind == PART_INROW : kind != PART_TAIL) continue;
+        if (!da_cu_pass_has(pass, kind)) continue;
         for (int64_t r0 = (ceil_div(n_rows, c->brows) - 1) * c->brows; r0 >= 0; r0 -= c->brows) {
           if ((n_rows - r0 <= 16) != small) continue;
           int j0, j1;
           da_cu_block_splits(&c->cfg.model, c->brows, S, a, r0, &j0, &j1);
-          const int je = pass == 0 ? j1 : first_item_end(c, pl->per, kind, j0, j1);
-          const int32_t fl = pass == 1 && prefix_block(c, S, a, r0, j0) ? DA_CU_ITEM_PREFIX : 0;
+          const int pfx = kind != DA_CU_INROW && prefix_block(c, S, a, r0, j0);
           for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
-            if (pass < 2) { /* the block's first item */
-              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j0, je, fl};
-              n_split += small;
-            }
-            if (!((pass == 1 && kind == PART_PER) || pass == 2)) continue; /* the block's later items */
-            const int step = kind == PART_TAIL ? 1 : pl->per;
-            for (int j = je; j < j1; j += step) {
-              its[n_it++] = (da_cu_item){i, h2, (int32_t)r0, j, j + step < j1 ? j + step : j1, 0};
-              n_split += small;
-            }
+            const int k = da_cu_block_items(pass, kind, pl->per, c->prefix_tail, pfx,
+                                            (da_cu_item){i, h2, (int32_t)r0, 0, 0, 0}, j0, j1, its + n_it);
+            n_it += k;
+            n_split += small ? k : 0;
           }
         }
       }
@@ -888,7 +847,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         int j0 = 0, j1 = 0, jc = 0;
         const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G, r0 = br / c->brows * c->brows;
         if (c->prefix) da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
-        if (c->prefix && prefix_block(c, S, a, r0, j0)) jc = first_item_end(c, pl->per, pl->partial[i], j0, j1);
+        if (prefix_block(c, S, a, r0, j0)) jc = da_cu_first_end(pl->partial[i], pl->per, c->prefix_tail, j0, j1);
         cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
       }
     }

@@ -35,7 +35,7 @@ int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch 
   int64_t n = 0;
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
-    if (partial[i] != 1) continue;
+    if (partial[i] != DA_CU_PART_PER) continue;
     for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += brows) {
       int j0, j1;
       da_cu_block_splits(m, brows, S, a, r0, &j0, &j1);
@@ -58,6 +58,47 @@ int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch
     if (cost <= best) best = cost, per_best = per, *n_items = n;
   }
   return per_best;
+}
+
+int da_cu_tail_splits(int tail, int64_t n) {
+  const int64_t k = tail < 0 ? (n >= 32 ? n / 8 : 0) : tail;
+  return k > 0 && n > 2 * k ? (int)k : 0;
+}
+
+int da_cu_prefix_rows(const da_model *m, int brows, int S, const da_attn *a, int64_t r0, int j0) {
+  int64_t w0 = 0, p_max = -1;
+  if (m->window <= 0) return 1;
+  if (!block_keys(m, brows, a, r0, &w0, &p_max)) return 0;
+  const int64_t w_last = p_max - m->window + 1; /* the last row's window start */
+  return (w_last > 0 ? w_last : 0) / S == j0;
+}
+
+int da_cu_first_end(int kind, int per, int tail, int j0, int j1) {
+  if (kind == DA_CU_PART_TAIL) return j1 - da_cu_tail_splits(tail, j1 - j0);
+  if (kind == DA_CU_PART_PER) return j0 + per < j1 ? j0 + per : j1;
+  return j1;
+}
+
+int da_cu_pass_has(int pass, int kind) {
+  return pass == 0 ? kind == DA_CU_INROW : pass == 1 ? kind != DA_CU_INROW : kind == DA_CU_PART_TAIL;
+}
+
+int da_cu_block_items(int pass, int kind, int per, int tail, int prefix, da_cu_item it, int j0, int j1,
+                      da_cu_item *out) {
+  if (!da_cu_pass_has(pass, kind)) return 0;
+  const int je = da_cu_first_end(kind, per, tail, j0, j1);
+  int n = 0;
+  if (pass < 2) { /* the block's first item */
+    it.j0 = j0, it.j1 = je, it.flags = prefix && kind != DA_CU_INROW ? DA_CU_ITEM_PREFIX : 0;
+    out[n++] = it;
+  }
+  if (pass == 0 || (pass == 1 && kind != DA_CU_PART_PER)) return n;
+  const int step = kind == DA_CU_PART_TAIL ? 1 : per; /* the later items */
+  for (int j = je; j < j1; j += step) {
+    it.j0 = j, it.j1 = j + step < j1 ? j + step : j1, it.flags = 0;
+    out[n++] = it;
+  }
+  return n;
 }
 
 int64_t da_cu_item_tiles(const da_model *m, int brows, int S, int T, const da_attn *a, const da_cu_item *it) {

@@ -12,13 +12,19 @@
 #include "backend.h"
 #include "item.h"
 
+/* How an attention's blocks run (the backend's plan): in-row (one item a block, folding every
+ * split); partial items of `per` splits, the first a prefix item where prefix items are on;
+ * or (decode rows that would run in-row in a launch that fills the GPU) a prefix item of the
+ * block's splits but its last k and those as one-split items (da_cu_tail_splits). */
+enum { DA_CU_INROW, DA_CU_PART_PER, DA_CU_PART_TAIL };
+
 /* The splits [j0, j1) of size S that rows [row0, row0 + brows) of attention a see (a row is
  * a (query token, q head of one kv head's group) pair; the rows of one token are adjacent). */
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1);
 
 /*
  * Splits per work item for the blocks of b run as partials in items of per splits
- * (partial[i] == 1 for attention i; other non-zero kinds are the caller's): each block of n splits becomes ceil(n / per) items per kv head. slots is how
+ * (partial[i] == DA_CU_PART_PER for attention i; other kinds are not counted): each block of n splits becomes ceil(n / per) items per kv head. slots is how
  * many items run at once (the persistent grid's CTAs, or the resident CTAs of all SMs); the
  * choice is the per whose items fill the fewest waves of slots, costed in key tiles of T
  * tokens with one tile more per item for its start (so ties go to fewer, longer items).
@@ -31,6 +37,38 @@ int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch 
 
 int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
                       int64_t slots, int64_t *n_items);
+
+/*
+ * The one-split tail k of a DA_CU_PART_TAIL block of n splits, 0 where the block does not run
+ * so: tail < 0 the rule, n / 8 from 32 splits; tail > 0 that k (DA_CUDA_PREFIX_TAIL); and only
+ * where n > 2 k. In-row decode blocks of a launch that fills the GPU (B >= 32) end unevenly:
+ * the SMs that draw more bandwidth finish their rows early and idle (NOTES.md v5.20); the
+ * last splits as items by ticket go to the pipes that are free. Same-run A/B on an H200
+ * (NOTES.md v5.22), the last k of n = 128 splits: k 4 / 8 / 16 B 32 0.994 / 0.990 / 0.985,
+ * B 64 0.995 / 0.992 / 0.992; n = 32: k 4 / 8 0.995-0.997; n = 8, k 2: 2-4 % slower.
+ */
+int da_cu_tail_splits(int tail, int64_t n);
+
+/* Whether every row of the block [r0, r0 + brows) of a starts at split j0, the block's first:
+ * only then may the block's first item be a prefix item (the kernels write each row's fold to
+ * the slot of split j0). Without a window always; with one a later row may start later. */
+int da_cu_prefix_rows(const da_model *m, int brows, int S, const da_attn *a, int64_t r0, int j0);
+
+/* The end of the first item of a block with splits [j0, j1) run as kind: j1 in-row, j0 + per
+ * (at most j1) for DA_CU_PART_PER, j1 - da_cu_tail_splits(tail, j1 - j0) for
+ * DA_CU_PART_TAIL. Where that item is a prefix item, its rows' combine goes on from there. */
+int da_cu_first_end(int kind, int per, int tail, int j0, int j1);
+
+/* Whether pass 0 (in-row items), 1 (partial blocks' first items, and DA_CU_PART_PER's others)
+ * or 2 (DA_CU_PART_TAIL's one-split items, listed after every prefix item) has items of kind. */
+int da_cu_pass_has(int pass, int kind);
+
+/* Writes to out the items that pass `pass` has of one block and kv head (it's attn, kv_head
+ * and row0; splits [j0, j1) of the block) and returns their count: the block's first item
+ * (flags DA_CU_ITEM_PREFIX where prefix, partial kinds only) and its later ones. Passes 0-2
+ * together cover [j0, j1) once, in order. */
+int da_cu_block_items(int pass, int kind, int per, int tail, int prefix, da_cu_item it, int j0, int j1,
+                      da_cu_item *out);
 
 /* The key tiles of T tokens that the CTA running item it walks: from the first row's window
  * start to the last row's position, within the item's splits [j0, j1) (prefill_sm90.cu's

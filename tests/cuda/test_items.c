@@ -1,6 +1,7 @@
 /*
  * test_items.c — the CUDA backend's work items (kernels/cuda/items.c), without a device:
- * how many splits a partial item takes (per) and how many items that makes. The time of a
+ * how many splits a partial item takes (per) and how many items that makes, prefix items and
+ * one-split tails, and how blocks' items cover their splits. The time of a
  * decode step is the longest CTA's share of the items, which the persistent grid deals out
  * round-robin; the tests deal them out the same way and compare with the even share.
  */
@@ -123,6 +124,81 @@ START_TEST(items_are_counted_whole_per_block_and_only_for_partial_attentions) {
 }
 END_TEST
 
+/* The tail of a DA_CU_PART_TAIL block: the rule n / 8 from 32 splits, a fixed k, never more
+ * than half the block. */
+START_TEST(tails_are_an_eighth_from_32_splits_and_less_than_half) {
+  ck_assert_int_eq(da_cu_tail_splits(-1, 128), 16);
+  ck_assert_int_eq(da_cu_tail_splits(-1, 32), 4);
+  ck_assert_int_eq(da_cu_tail_splits(-1, 31), 0);
+  ck_assert_int_eq(da_cu_tail_splits(-1, 8), 0);
+  ck_assert_int_eq(da_cu_tail_splits(0, 128), 0);
+  ck_assert_int_eq(da_cu_tail_splits(2, 8), 2);
+  ck_assert_int_eq(da_cu_tail_splits(2, 4), 0);
+  ck_assert_int_eq(da_cu_tail_splits(64, 129), 64);
+  ck_assert_int_eq(da_cu_tail_splits(64, 128), 0);
+}
+END_TEST
+
+/* Without a window every row of a block starts at its first split; with one, a block whose
+ * last row's window starts a split later may not have a prefix item. Positions worked out
+ * here: G 4, so a block of 128 rows is 32 tokens. */
+START_TEST(prefix_rows_need_every_row_to_start_at_the_first_split) {
+  da_model m = model;
+  const da_attn dec = {.q_pos = 70000, .n_q = 1}, pre = {.q_pos = 5000, .n_q = 100};
+  ck_assert(da_cu_prefix_rows(&m, BROWS, S, &dec, 0, 0));
+  ck_assert(da_cu_prefix_rows(&m, BROWS, S, &pre, 256, 0));
+  m.window = 1000;
+  ck_assert(da_cu_prefix_rows(&m, BROWS, S, &dec, 0, 69001 / S));
+  /* tokens 5000-5031: windows from 4001-4032, all in split 7 */
+  ck_assert(da_cu_prefix_rows(&m, BROWS, S, &pre, 0, 4001 / S));
+  /* tokens 5064-5095: windows from 4065 (split 7) to 4096 (split 8) */
+  ck_assert(!da_cu_prefix_rows(&m, BROWS, S, &pre, 256, 4065 / S));
+  /* tokens 5096-5099 (the last block, 16 rows): windows from 4097-4100, split 8 */
+  ck_assert(da_cu_prefix_rows(&m, BROWS, S, &pre, 384, 4097 / S));
+}
+END_TEST
+
+/* Passes 0-2 of one block and kv head cover its splits once and in order; a partial block's
+ * first item is its prefix item where asked and ends at da_cu_first_end; the counts are those
+ * the planner allots (in-row 1, per splits whole items, a tail 1 + k). */
+START_TEST(block_items_cover_each_split_once) {
+  static const int pers[] = {1, 3, 32}, tails[] = {-1, 0, 2, 16};
+  da_cu_item out[200];
+  int64_t cases = 0;
+  for (int kind = DA_CU_INROW; kind <= DA_CU_PART_TAIL; kind++)
+    for (size_t pi = 0; pi < sizeof(pers) / sizeof(pers[0]); pi++)
+      for (size_t ti = 0; ti < sizeof(tails) / sizeof(tails[0]); ti++)
+        for (int prefix = 0; prefix < 2; prefix++)
+          for (int j0 = 0; j0 <= 5; j0 += 5)
+            for (int n = 1; n <= 140; n++) {
+              const int per = pers[pi], tail = tails[ti], j1 = j0 + n;
+              const da_cu_item it = {.attn = 3, .kv_head = 5, .row0 = 256, .flags = 7};
+              int total = 0, next = j0;
+              for (int pass = 0; pass < 3; pass++) {
+                const int k = da_cu_block_items(pass, kind, per, tail, prefix, it, j0, j1, out + total);
+                /* pass 2 of a tail of 0 splits has none */
+                ck_assert(pass == 2 ? k == 0 || da_cu_pass_has(pass, kind) : (k > 0) == da_cu_pass_has(pass, kind));
+                total += k;
+              }
+              for (int t = 0; t < total; t++) {
+                ck_assert_int_eq(out[t].j0, next);
+                ck_assert_int_gt(out[t].j1, out[t].j0);
+                next = out[t].j1;
+                ck_assert(out[t].attn == 3 && out[t].kv_head == 5 && out[t].row0 == 256);
+                ck_assert_int_eq(out[t].flags, t == 0 && prefix && kind != DA_CU_INROW ? DA_CU_ITEM_PREFIX : 0);
+              }
+              ck_assert_int_eq(next, j1);
+              ck_assert_int_eq(out[0].j1, da_cu_first_end(kind, per, tail, j0, j1));
+              const int want = kind == DA_CU_INROW ? 1
+                               : kind == DA_CU_PART_PER ? (n + per - 1) / per
+                                                        : 1 + da_cu_tail_splits(tail, n);
+              ck_assert_int_eq(total, want);
+              cases++;
+            }
+  ck_assert_int_eq(cases, 3 * 3 * 4 * 2 * 2 * 140);
+}
+END_TEST
+
 /* In-row prefill items in the backend's build order: per attention, blocks last row first,
  * kv heads inner, every split of the block. */
 static int64_t build_prefill(const da_model *m, const da_attn *attns, int n_attns, da_cu_item *its) {
@@ -226,6 +302,9 @@ int main(void) {
   TCase *tc = tcase_create("per");
   tcase_add_test(tc, decode_items_keep_the_longest_cta_within_a_tenth_of_the_best_per);
   tcase_add_test(tc, items_are_counted_whole_per_block_and_only_for_partial_attentions);
+  tcase_add_test(tc, tails_are_an_eighth_from_32_splits_and_less_than_half);
+  tcase_add_test(tc, prefix_rows_need_every_row_to_start_at_the_first_split);
+  tcase_add_test(tc, block_items_cover_each_split_once);
   suite_add_tcase(s, tc);
   tc = tcase_create("deal");
   tcase_add_test(tc, item_tiles_count_the_keys_a_block_sees);
