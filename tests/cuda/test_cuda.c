@@ -330,6 +330,48 @@ START_TEST(alone_equals_inside_random_batches) {
 }
 END_TEST
 
+/* Sequences s[0, ns) of n tokens each on distinct random pages of a pool of n_pool pages,
+ * appended to layer 0 (in batches of at most 4096 tokens, inside the staging buffer). */
+static void seqs_appended(da_backend *be, const tcfg *c, seq *s, int ns, int n, da_rng *r, int n_pool) {
+  uint8_t *used = calloc((size_t)n_pool, 1);
+  ck_assert(used != NULL);
+  for (int i = 0; i < ns; i++) {
+    seq_init_in(&s[i], c, n, r, used, n_pool);
+    for (int pos = 0; pos < n; pos += 4096) {
+      da_append ap = mk_append(c, &s[i], 0, pos, n - pos < 4096 ? n - pos : 4096);
+      da_batch b = {.appends = &ap, .n_appends = 1};
+      da_batch_result res;
+      run_ok(be, &b, &res);
+    }
+  }
+  free(used);
+}
+
+/* k output buffers (o[i], lse[i]) for decode rows of ns sequences. */
+static void outs_alloc(const tcfg *c, int ns, int k, uint16_t **o, float **lse) {
+  for (int i = 0; i < k; i++) {
+    o[i] = malloc((size_t)ns * c->hq * c->d * 2), lse[i] = malloc((size_t)ns * c->hq * 4);
+    ck_assert(o[i] && lse[i]);
+  }
+}
+
+/* One batch of the decode rows at position n - 1 of s[i0, i0 + count), sequence i's outputs at
+ * o + i hq d and lse + i hq; returns the batch's partial rows. */
+static int64_t decode_rows(da_backend *be, const tcfg *c, seq *s, int i0, int count, int n, uint16_t *o, float *lse,
+                           da_split_mode mode) {
+  da_attn *at = calloc((size_t)count, sizeof(*at));
+  ck_assert(at != NULL);
+  for (int i = i0; i < i0 + count; i++) {
+    at[i - i0] = mk_attn(c, &s[i], 0, n - 1, 1, o, lse);
+    at[i - i0].o = o + (size_t)i * c->hq * c->d, at[i - i0].lse = lse + (size_t)i * c->hq;
+  }
+  da_batch b = {.attns = at, .n_attns = count, .split_mode = mode};
+  da_batch_result res;
+  run_ok(be, &b, &res);
+  free(at);
+  return res.partial_rows;
+}
+
 /* A decode batch whose K/V exceed the device's L2 runs in the streaming form (cuda_backend.c
  * sets args.kv_stream: K/V loaded evict_first, the combine drops each row's partials from the
  * L2 once folded); each row alone, well inside the L2, does not. Same bits both ways, and
@@ -349,37 +391,17 @@ START_TEST(streaming_batch_equals_rows_alone) {
   da_rng r;
   da_rng_seed(&r, g_seed + 700);
   da_backend *be = open_be_with(c, n_pool, 0);
-  uint8_t *used = calloc((size_t)n_pool, 1);
-  ck_assert(used != NULL);
   seq s[NS];
-  for (int i = 0; i < NS; i++) {
-    seq_init_in(&s[i], c, n, &r, used, n_pool);
-    for (int pos = 0; pos < n; pos += 4096) { /* appends only, inside the staging buffer */
-      da_append ap = mk_append(c, &s[i], 0, pos, n - pos < 4096 ? n - pos : 4096);
-      da_batch b = {.appends = &ap, .n_appends = 1};
-      da_batch_result res;
-      run_ok(be, &b, &res);
-    }
-  }
+  seqs_appended(be, c, s, NS, n, &r, n_pool);
   const size_t row = (size_t)c->hq * c->d;
   uint16_t *o[4];
   float *lse[4];
-  for (int k = 0; k < 4; k++) {
-    o[k] = malloc((size_t)NS * row * 2), lse[k] = malloc((size_t)NS * c->hq * 4);
-    ck_assert(o[k] && lse[k]);
-  }
+  outs_alloc(c, NS, 4, o, lse);
   for (int k = 0; k < 4; k++) {
     const int alone = k == 0 || k == 3;
-    da_attn at[NS];
-    for (int i = 0; i < NS; i++) {
-      at[i] = mk_attn(c, &s[i], 0, n - 1, 1, o[k], lse[k]);
-      at[i].o = o[k] + (size_t)i * row, at[i].lse = lse[k] + (size_t)i * c->hq;
-    }
     for (int i = 0; i < (alone ? NS : 1); i++) {
-      da_batch b = {.attns = alone ? &at[i] : at, .n_attns = alone ? 1 : NS, .split_mode = DA_SPLIT_PARTIAL};
-      da_batch_result res;
-      run_ok(be, &b, &res);
-      ck_assert_int_eq(res.partial_rows, (int64_t)b.n_attns * c->hq);
+      const int count = alone ? 1 : NS;
+      ck_assert_int_eq(decode_rows(be, c, s, i, count, n, o[k], lse[k], DA_SPLIT_PARTIAL), (int64_t)count * c->hq);
     }
   }
   for (int k = 1; k < 4; k++) {
@@ -388,7 +410,6 @@ START_TEST(streaming_batch_equals_rows_alone) {
   }
   for (int k = 0; k < 4; k++) free(o[k]), free(lse[k]);
   for (int i = 0; i < NS; i++) seq_fini(&s[i]);
-  free(used);
   da_backend_close(be);
 }
 END_TEST
@@ -408,37 +429,20 @@ START_TEST(tail_items_equal_inrow) {
   da_backend *be = open_be_with(c, n_pool, 1);
   unsetenv("DA_CUDA_PREFIX_TAIL");
   const int sm90 = strcmp(da_backend_get_info(be)->arch, "sm_90") == 0;
-  uint8_t *used = calloc((size_t)n_pool, 1);
-  ck_assert(used != NULL);
   seq s[NS];
-  for (int i = 0; i < NS; i++) {
-    seq_init_in(&s[i], c, N, &r, used, n_pool);
-    da_append ap = mk_append(c, &s[i], 0, 0, N);
-    da_batch b = {.appends = &ap, .n_appends = 1};
-    da_batch_result res;
-    run_ok(be, &b, &res);
-  }
+  seqs_appended(be, c, s, NS, N, &r, n_pool);
   const size_t row = (size_t)c->hq * c->d;
   uint16_t *o[2];
   float *lse[2];
+  outs_alloc(c, NS, 2, o, lse);
   for (int k = 0; k < 2; k++) {
-    o[k] = malloc((size_t)NS * row * 2), lse[k] = malloc((size_t)NS * c->hq * 4);
-    ck_assert(o[k] && lse[k]);
-    da_attn at[NS];
-    for (int i = 0; i < NS; i++) {
-      at[i] = mk_attn(c, &s[i], 0, N - 1, 1, o[k], lse[k]);
-      at[i].o = o[k] + (size_t)i * row, at[i].lse = lse[k] + (size_t)i * c->hq;
-    }
-    da_batch b = {.attns = at, .n_attns = NS, .split_mode = k ? DA_SPLIT_AUTO : DA_SPLIT_INROW};
-    da_batch_result res;
-    run_ok(be, &b, &res);
-    ck_assert_int_eq(res.partial_rows, k && sm90 ? (int64_t)NS * c->hq : 0);
+    const int64_t partial = decode_rows(be, c, s, 0, NS, N, o[k], lse[k], k ? DA_SPLIT_AUTO : DA_SPLIT_INROW);
+    ck_assert_int_eq(partial, k && sm90 ? (int64_t)NS * c->hq : 0);
   }
   assert_same(o[0], o[1], (size_t)NS * row * 2, "tail items o");
   assert_same(lse[0], lse[1], (size_t)NS * c->hq * 4, "tail items lse");
   for (int k = 0; k < 2; k++) free(o[k]), free(lse[k]);
   for (int i = 0; i < NS; i++) seq_fini(&s[i]);
-  free(used);
   da_backend_close(be);
 }
 END_TEST
