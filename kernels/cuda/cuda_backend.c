@@ -64,8 +64,7 @@ typedef struct cuda_ctx {
   int prefix;        /* a partial block's first item folds in-row (DA_CU_ITEM_PREFIX; DA_CUDA_PREFIX=0: no) */
   int prefix_tail;   /* decode rows that would run in-row run as a prefix item and their last splits as
                         one-split items (DA_CU_PART_TAIL): -1 by rule (da_cu_tail_splits), 0 never, k > 0
-                        the last k
-                        (DA_CUDA_PREFIX_TAIL) */
+                        the last k (DA_CUDA_PREFIX_TAIL) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
