@@ -668,19 +668,18 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (a->n_q > 0) pl->kv_tokens += end - w0;
     const int multi = a->n_q > 0 && (end - 1) / S > w0 / S;
     const int64_t need = (int64_t)a->n_q * m->n_q_heads * nsp;
+    /* as DA_CU_PART_TAIL: its one block (n_q G <= 16), from w0's split, and its tail */
+    const int tail =
+        tail_ok && prefix_block(c, S, a, 0, (int)(w0 / S)) ? da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) : 0;
     int part = 0;
     if (multi && need <= slots_free) {
       if (b->split_mode == DA_SPLIT_PARTIAL) part = DA_CU_PART_PER;
       else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = DA_CU_PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && tail_ok && da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) > 0 &&
-               prefix_block(c, S, a, 0, (int)(w0 / S))) /* one block (n_q G <= 16), from w0's split */
-        part = DA_CU_PART_TAIL;
+      else if (b->split_mode == DA_SPLIT_AUTO && tail > 0) part = DA_CU_PART_TAIL;
     }
     pl->partial[i] = (unsigned char)part;
     if (part) slots_free -= need, pl->slots += need;
-    /* the most splits a combine row merges */
-    const int tail = part == DA_CU_PART_TAIL ? da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) : 0;
-    const int64_t merged = part == DA_CU_PART_TAIL ? tail + 1 : nsp;
+    const int64_t merged = part == DA_CU_PART_TAIL ? tail + 1 : nsp; /* the most splits a combine row merges */
     if (part && merged > pl->max_splits) pl->max_splits = (int)merged;
     if (part == DA_CU_PART_TAIL) n_tail += (int64_t)m->n_kv_heads * (1 + tail); /* one block: n_q G <= 16 */
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
@@ -843,9 +842,9 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
       slot += rows * at->n_splits;
       for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) {
         /* The row's block (rows t G + g of its kv head) and so its prefix item's splits. */
-        int j0 = 0, j1 = 0, jc = 0;
+        int j0, j1, jc = 0;
         const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G, r0 = br / c->brows * c->brows;
-        if (c->prefix) da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
+        da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
         if (prefix_block(c, S, a, r0, j0)) jc = da_cu_first_end(pl->partial[i], pl->per, c->prefix_tail, j0, j1);
         cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
       }
