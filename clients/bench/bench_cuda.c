@@ -132,7 +132,11 @@ static int occupancy_split(int B, int hkv, int L, int n_sm) {
 }
 
 int da_bench_cuda(int argc, char **argv) {
-  int quick = 0, do_decode = 1, do_prefill = 1, one_b = 0, one_l = 0, split = 0;
+  int quick = 0, do_decode = 1, do_prefill = 1, split = 0;
+  /* --one-decode B L, up to MAX_ONES times: those decode cases only, in the order given, in
+   * one process (what an earlier case leaves behind shows in a later one). */
+  enum { MAX_ONES = 8 };
+  int one_b[MAX_ONES], one_l[MAX_ONES], n_one = 0;
   enum { PAGES_SHUFFLED, PAGES_CONTIGUOUS, PAGES_INTERLEAVED } order = PAGES_SHUFFLED; /* the last flag wins */
   da_split_mode mode = DA_SPLIT_AUTO;
   shape one_prefill = {"prefill", 0, 0, 32, 8, 128};
@@ -173,11 +177,16 @@ int da_bench_cuda(int argc, char **argv) {
     }
     else if (strcmp(argv[i], "--one-decode") == 0 && i + 2 < argc) {
       /* One decode case, any B and L (profilers, lengths off the table): B L. */
-      one_b = atoi(argv[++i]), one_l = atoi(argv[++i]);
-      if (one_b < 1 || one_l < 1) {
+      if (n_one == MAX_ONES) {
+        fprintf(stderr, "bench cuda: at most %d --one-decode cases\n", MAX_ONES);
+        return 2;
+      }
+      one_b[n_one] = atoi(argv[++i]), one_l[n_one] = atoi(argv[++i]);
+      if (one_b[n_one] < 1 || one_l[n_one] < 1) {
         fprintf(stderr, "bench cuda: --one-decode wants B >= 1 and L >= 1\n");
         return 2;
       }
+      n_one++;
       do_prefill = 0;
     } else if (strcmp(argv[i], "--one-prefill") == 0 && i + 2 < argc) {
       /* One causal prefill case of the 32/8-head d-128 model: B sequences of L tokens. */
@@ -193,19 +202,22 @@ int da_bench_cuda(int argc, char **argv) {
     static const int Bs[] = {1, 8, 32, 64, 128};
     static const int Ls[] = {1024, 4096, 16384, 65536};
     const int64_t max_tokens = quick ? (int64_t)8 * 65536 : (int64_t)128 * 65536;
-    if (one_b > 0 && (int64_t)one_b * one_l > max_tokens) {
-      fprintf(stderr, "bench cuda: --one-decode wants B * L <= %lld\n", (long long)max_tokens);
-      return 2;
-    }
+    for (int i = 0; i < n_one; i++)
+      if ((int64_t)one_b[i] * one_l[i] > max_tokens) {
+        fprintf(stderr, "bench cuda: --one-decode wants B * L <= %lld\n", (long long)max_tokens);
+        return 2;
+      }
     rv = open_ctx(&ctx, 32, 8, 128, max_tokens, 64u << 20);
     if (rv != 0) return rv;
     int32_t *perm = shuffled(pages_of(max_tokens), order == PAGES_CONTIGUOUS ? 0 : 1);
     if (order == PAGES_CONTIGUOUS)
       for (int64_t i = 0; i < pages_of(max_tokens); i++) perm[i] = (int32_t)i;
-    const size_t nb = one_b > 0 ? 1 : sizeof(Bs) / sizeof(Bs[0]), nl = one_b > 0 ? 1 : sizeof(Ls) / sizeof(Ls[0]);
+    /* The table's B x L, or the --one-decode cases as a list of n_one. */
+    const size_t nb = n_one > 0 ? (size_t)n_one : sizeof(Bs) / sizeof(Bs[0]),
+                 nl = n_one > 0 ? 1 : sizeof(Ls) / sizeof(Ls[0]);
     for (size_t bi = 0; bi < nb; bi++) {
       for (size_t li = 0; li < nl; li++) {
-        shape s = {"decode", one_b > 0 ? one_b : Bs[bi], one_b > 0 ? one_l : Ls[li], 32, 8, 128};
+        shape s = {"decode", n_one > 0 ? one_b[bi] : Bs[bi], n_one > 0 ? one_l[bi] : Ls[li], 32, 8, 128};
         if ((int64_t)s.B * s.L > max_tokens) continue;
         if (quick && s.B > 8) continue;
         if (order == PAGES_INTERLEAVED) { /* sequence b's page i is page i B + b */
@@ -216,7 +228,7 @@ int da_bench_cuda(int argc, char **argv) {
         rv = time_case(ctx, &s, 1, split, mode, "fixedS", perm, 20, &n_sm);
         if (rv != 0) goto out;
         int So = occupancy_split(s.B, s.hkv, s.L, n_sm);
-        if (one_b > 0) continue;
+        if (n_one > 0) continue;
         rv = time_case(ctx, &s, 1, So, mode, "occupancyS", perm, 20, NULL);
         if (rv != 0) goto out;
       }
