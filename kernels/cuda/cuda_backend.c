@@ -65,6 +65,8 @@ typedef struct cuda_ctx {
   int prefix_tail;   /* decode rows that would run in-row run as a prefix item and their last splits as
                         one-split items (DA_CU_PART_TAIL): -1 by rule (da_cu_tail_splits), 0 never, k > 0
                         the last k (DA_CUDA_PREFIX_TAIL) */
+  int per_tail;      /* decode launches by ticket: DA_CU_PART_PER blocks' last splits as one-split items
+                        (da_cu_tail_splits): -1 by rule, 0 never, k > 0 the last k (DA_CUDA_PER_TAIL) */
   cudaStream_t stream, copy;
   cudaEvent_t ev[3];            /* bench timing */
   cudaEvent_t ev_in[2], ev_done[2]; /* per staging set: H2D done; batch done */
@@ -339,10 +341,11 @@ static int int_env(const char *var, int lo, int hi, const char *what, int *out, 
   return 0;
 }
 
-/* DA_CUDA_PREFIX_TAIL: unset or empty, the planner's rule (-1: da_cu_tail_splits); 0, never; k (1 to
- * 64, experiments), the last k splits of every row that can run so. The bits never depend on it. */
-static int prefix_tail_env(int *tail, char *err, size_t errlen) {
-  const char *env = getenv("DA_CUDA_PREFIX_TAIL");
+/* DA_CUDA_PREFIX_TAIL and DA_CUDA_PER_TAIL: unset or empty, the planner's rule (-1:
+ * da_cu_tail_splits); 0, never; k (1 to 64, experiments), the last k splits of every block
+ * that can run so. The bits never depend on them. */
+static int tail_env(const char *var, int *tail, char *err, size_t errlen) {
+  const char *env = getenv(var);
   if (env == NULL || env[0] == '\0') {
     *tail = -1;
     return 0;
@@ -351,7 +354,7 @@ static int prefix_tail_env(int *tail, char *err, size_t errlen) {
     *tail = 0;
     return 0;
   }
-  return int_env("DA_CUDA_PREFIX_TAIL", 1, 64, "tail splits (0 none)", tail, err, errlen);
+  return int_env(var, 1, 64, "tail splits (0 none)", tail, err, errlen);
 }
 
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
@@ -416,7 +419,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = l2_promo_env(&prop, &c->l2_promo, err, errlen);
     if (rv == 0) rv = q_tma_env(&c->q_tma, err, errlen);
     if (rv == 0) rv = prefix_env(&c->prefix, err, errlen);
-    if (rv == 0) rv = prefix_tail_env(&c->prefix_tail, err, errlen);
+    if (rv == 0) rv = tail_env("DA_CUDA_PREFIX_TAIL", &c->prefix_tail, err, errlen);
+    if (rv == 0) rv = tail_env("DA_CUDA_PER_TAIL", &c->per_tail, err, errlen);
     if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
@@ -620,6 +624,7 @@ typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
   int per; /* splits per partial item */
+  int per_tail; /* c->per_tail where this launch takes DA_CU_PART_PER tails (decode by ticket), else 0 */
   int tickets; /* prefill_sm90.cu's grid takes the items by ticket (else round-robin) */
   int max_splits; /* the most splits of a partial attention's rows */
   int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
@@ -713,15 +718,20 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
    * two resident CTAs per SM (attn.cu). */
   const int64_t grid = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;
   const int64_t slots = c->sm90_decode ? grid * pl->pipes : 2 * (int64_t)c->n_sm;
-  int64_t n_part = 0;
-  pl->per = da_cu_partial_per(m, c->brows, S, c->cfg.num.tile_tokens, b, pl->partial, slots, &n_part);
-  if (c->partial_per > 0 && n_part > 0) {
-    pl->per = c->partial_per;
-    n_part = da_cu_partial_items(m, c->brows, S, b, pl->partial, pl->per);
-  }
   /* prefill_sm90.cu's persistent grid (not one CTA per item) by ticket or round-robin. */
   pl->tickets = c->sm90_prefill && c->sm90_grid >= 0 &&
                 (c->deal == DEAL_TICKETS || (c->deal == DEAL_TICKETS_INROW && pl->partial_rows == 0));
+  /* One-split tails of partial blocks: where tickets hand them to the pipes free first */
+  const int T = c->cfg.num.tile_tokens;
+  pl->per_tail = pl->tickets && c->sm90_decode && max_block_rows <= 16
+                     ? da_cu_per_tail(m, c->brows, S, T, b, pl->partial, c->per_tail, slots)
+                     : 0;
+  int64_t n_part = 0;
+  pl->per = da_cu_partial_per(m, c->brows, S, T, b, pl->partial, pl->per_tail, slots, &n_part);
+  if (c->partial_per > 0 && n_part > 0) {
+    pl->per = c->partial_per;
+    n_part = da_cu_partial_items(m, c->brows, S, b, pl->partial, pl->per, pl->per_tail, NULL);
+  }
   pl->n_items += n_part + n_tail;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
@@ -789,9 +799,10 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
           int j0, j1;
           da_cu_block_splits(&c->cfg.model, c->brows, S, a, r0, &j0, &j1);
           const int pfx = kind != DA_CU_INROW && prefix_block(c, S, a, r0, j0);
+          const int tail = da_cu_block_tail(kind, c->prefix_tail, pl->per_tail, j1 - j0);
           for (int h2 = 0; h2 < m->n_kv_heads; h2++) {
-            const int k = da_cu_block_items(pass, kind, pl->per, c->prefix_tail, pfx,
-                                            (da_cu_item){i, h2, (int32_t)r0, 0, 0, 0}, j0, j1, its + n_it);
+            const int k = da_cu_block_items(pass, kind, pl->per, tail, pfx, (da_cu_item){i, h2, (int32_t)r0, 0, 0, 0},
+                                            j0, j1, its + n_it);
             n_it += k;
             n_split += small ? k : 0;
           }
@@ -845,7 +856,9 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
         int j0, j1, jc = 0;
         const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G, r0 = br / c->brows * c->brows;
         da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
-        if (prefix_block(c, S, a, r0, j0)) jc = da_cu_first_end(pl->partial[i], pl->per, c->prefix_tail, j0, j1);
+        if (prefix_block(c, S, a, r0, j0))
+          jc = da_cu_first_end(pl->partial[i], pl->per,
+                               da_cu_block_tail(pl->partial[i], c->prefix_tail, pl->per_tail, j1 - j0), j0, j1);
         cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
       }
     }

@@ -27,34 +27,37 @@ void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, i
   *j1 = (int)(p_max / S) + 1;
 }
 
-/* Items of the partial blocks at per splits an item: a block's items are counted whole (128
- * splits in items of 63 are three, and round-robin may give some CTA two long ones). */
 int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch *b, const unsigned char *partial,
-                           int per) {
+                            int per, int per_tail, int64_t *n_first) {
   const int G = m->n_q_heads / m->n_kv_heads;
-  int64_t n = 0;
+  int64_t n = 0, first = 0;
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     if (partial[i] != DA_CU_PART_PER) continue;
     for (int64_t r0 = 0; r0 < (int64_t)a->n_q * G; r0 += brows) {
       int j0, j1;
       da_cu_block_splits(m, brows, S, a, r0, &j0, &j1);
-      n += (int64_t)m->n_kv_heads * ceil_div(j1 - j0, per);
+      const int k = da_cu_tail_splits(per_tail, j1 - j0);
+      first += (int64_t)m->n_kv_heads * ceil_div(j1 - j0 - k, per);
+      n += (int64_t)m->n_kv_heads * k;
     }
   }
-  return n;
+  if (n_first != NULL) *n_first = first;
+  return n + first;
 }
 
 int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
-                      int64_t slots, int64_t *n_items) {
+                      int per_tail, int64_t slots, int64_t *n_items) {
   const int64_t tiles = S / T;
   int64_t best = INT64_MAX;
   int per_best = 1;
   *n_items = 0;
   for (int per = 1; per <= 64; per++) {
-    const int64_t n = da_cu_partial_items(m, brows, S, b, partial, per);
+    int64_t first = 0;
+    const int64_t n = da_cu_partial_items(m, brows, S, b, partial, per, per_tail, &first);
     if (n == 0) break;
-    const int64_t cost = ceil_div(n, slots) * (per * tiles + 1);
+    /* a block's items are counted whole (128 splits in items of 63 are three) */
+    const int64_t cost = ceil_div(first, slots) * (per * tiles + 1);
     if (cost <= best) best = cost, per_best = per, *n_items = n;
   }
   return per_best;
@@ -65,6 +68,17 @@ int da_cu_tail_splits(int tail, int64_t n) {
   return k > 0 && n > 2 * k ? (int)k : 0;
 }
 
+int da_cu_per_tail(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
+                   int per_tail, int64_t slots) {
+  int64_t n;
+  if (per_tail >= 0) return per_tail;
+  return da_cu_partial_per(m, brows, S, T, b, partial, 0, slots, &n) >= 16 ? -1 : 0;
+}
+
+int da_cu_block_tail(int kind, int prefix_tail, int per_tail, int64_t n) {
+  return kind == DA_CU_INROW ? 0 : da_cu_tail_splits(kind == DA_CU_PART_TAIL ? prefix_tail : per_tail, n);
+}
+
 int da_cu_prefix_rows(const da_model *m, int brows, int S, const da_attn *a, int64_t r0, int j0) {
   int64_t w0 = 0, p_max = -1;
   if (m->window <= 0) return 1;
@@ -73,31 +87,33 @@ int da_cu_prefix_rows(const da_model *m, int brows, int S, const da_attn *a, int
   return (w_last > 0 ? w_last : 0) / S == j0;
 }
 
-int da_cu_first_end(int kind, int per, int tail, int j0, int j1) {
-  if (kind == DA_CU_PART_TAIL) return j1 - da_cu_tail_splits(tail, j1 - j0);
-  if (kind == DA_CU_PART_PER) return j0 + per < j1 ? j0 + per : j1;
+int da_cu_first_end(int kind, int per, int k, int j0, int j1) {
+  if (kind == DA_CU_PART_TAIL) return j1 - k;
+  if (kind == DA_CU_PART_PER) return j0 + per < j1 - k ? j0 + per : j1 - k;
   return j1;
 }
 
-int da_cu_pass_has(int pass, int kind) {
-  return pass == 0 ? kind == DA_CU_INROW : pass == 1 ? kind != DA_CU_INROW : kind == DA_CU_PART_TAIL;
-}
+int da_cu_pass_has(int pass, int kind) { return pass == 0 ? kind == DA_CU_INROW : kind != DA_CU_INROW; }
 
-int da_cu_block_items(int pass, int kind, int per, int tail, int prefix, da_cu_item it, int j0, int j1,
+int da_cu_block_items(int pass, int kind, int per, int k, int prefix, da_cu_item it, int j0, int j1,
                       da_cu_item *out) {
   if (!da_cu_pass_has(pass, kind)) return 0;
-  const int je = da_cu_first_end(kind, per, tail, j0, j1);
+  const int je = da_cu_first_end(kind, per, k, j0, j1);
   int n = 0;
   if (pass < 2) { /* the block's first item */
     it.j0 = j0, it.j1 = je, it.flags = prefix && kind != DA_CU_INROW ? DA_CU_ITEM_PREFIX : 0;
     out[n++] = it;
   }
-  if (pass == 0 || (pass == 1 && kind != DA_CU_PART_PER)) return n;
-  const int step = kind == DA_CU_PART_TAIL ? 1 : per; /* the later items */
-  for (int j = je; j < j1; j += step) {
-    it.j0 = j, it.j1 = j + step < j1 ? j + step : j1, it.flags = 0;
-    out[n++] = it;
-  }
+  if (pass == 1 && kind == DA_CU_PART_PER) /* the later items of per splits */
+    for (int j = je; j < j1 - k; j += per) {
+      it.j0 = j, it.j1 = j + per < j1 - k ? j + per : j1 - k, it.flags = 0;
+      out[n++] = it;
+    }
+  if (pass == 2) /* the tail's items of one split */
+    for (int j = j1 - k; j < j1; j++) {
+      it.j0 = j, it.j1 = j + 1, it.flags = 0;
+      out[n++] = it;
+    }
   return n;
 }
 

@@ -22,52 +22,73 @@ enum { DA_CU_INROW, DA_CU_PART_PER, DA_CU_PART_TAIL };
  * a (query token, q head of one kv head's group) pair; the rows of one token are adjacent). */
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1);
 
-/*
- * Splits per work item for the blocks of b run as partials in items of per splits
- * (partial[i] == DA_CU_PART_PER for attention i; other kinds are not counted): each block of n splits becomes ceil(n / per) items per kv head. slots is how
- * many items run at once (the persistent grid's CTAs, or the resident CTAs of all SMs); the
- * choice is the per whose items fill the fewest waves of slots, costed in key tiles of T
- * tokens with one tile more per item for its start (so ties go to fewer, longer items).
- * Returns per (1 .. 64) and the item count in *n_items (0 when nothing runs as partials).
- */
-/* The items of the partial blocks of b at per splits an item (ceil(n / per) per block and kv
- * head). */
+/* The items of the partial blocks of b (partial[i] == DA_CU_PART_PER for attention i; other
+ * kinds are not counted) at per splits an item: per kv head, each block of n splits has
+ * ceil((n - k) / per) items and its k one-split tail items, k = da_cu_tail_splits(per_tail,
+ * n). *n_first (may be NULL) gets the items without the tails. */
 int64_t da_cu_partial_items(const da_model *m, int brows, int S, const da_batch *b, const unsigned char *partial,
-                            int per);
-
-int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
-                      int64_t slots, int64_t *n_items);
+                            int per, int per_tail, int64_t *n_first);
 
 /*
- * The one-split tail k of a DA_CU_PART_TAIL block of n splits, 0 where the block does not run
- * so: tail < 0 the rule, n / 8 from 32 splits; tail > 0 that k (DA_CUDA_PREFIX_TAIL); and only
- * where n > 2 k. In-row decode blocks of a launch that fills the GPU (B >= 32) end unevenly:
- * the SMs that draw more bandwidth finish their rows early and idle (NOTES.md v5.20); the
- * last splits as items by ticket go to the pipes that are free. Same-run A/B on an H200
- * (NOTES.md v5.22), the last k of n = 128 splits: k 4 / 8 / 16 B 32 0.994 / 0.990 / 0.985,
- * B 64 0.995 / 0.992 / 0.992; n = 32: k 4 / 8 0.995-0.997; n = 8, k 2: 2-4 % slower.
+ * Splits per work item for the blocks of b run as partials (DA_CU_PART_PER). slots is how
+ * many items run at once (the persistent grid's pipes, or the resident CTAs of all SMs); the
+ * choice is the per whose items (not counting one-split tails) fill the fewest waves of slots,
+ * costed in key tiles of T tokens with one tile more per item for its start (so ties go to
+ * fewer, longer items). Returns per (1 .. 64) and the item count, tails included, in *n_items
+ * (0 when nothing runs as partials).
+ */
+int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
+                      int per_tail, int64_t slots, int64_t *n_items);
+
+/*
+ * The one-split tail k of a block of n splits, 0 where it has none: tail < 0 the rule, n / 8
+ * from 32 splits; tail > 0 that k; and only where n > 2 k. Partial items by ticket: a block's
+ * last k splits as one-split items listed after every other item go to the pipes that end
+ * their first items early. Two cases take them:
+ * - DA_CU_PART_TAIL (DA_CUDA_PREFIX_TAIL): in-row decode blocks of a launch that fills the
+ *   GPU (B >= 32) end unevenly, the SMs that draw more bandwidth finish their rows early and
+ *   idle (NOTES.md v5.20). Same-run A/B on an H200 (NOTES.md v5.22), the last k of n = 128
+ *   splits: k 4 / 8 / 16 B 32 0.994 / 0.990 / 0.985, B 64 0.995 / 0.992 / 0.992; n = 32: k 4
+ *   / 8 0.995-0.997; n = 8, k 2: 2-4 % slower.
+ * - DA_CU_PART_PER (DA_CUDA_PER_TAIL): a wave of long partial items ends as unevenly (B 8 L
+ *   64k: items of 32 splits). k 2 / 4 / 8 / 16 of 128 splits, B 8: 1.016 / 1.008 / 0.991 /
+ *   0.988, B 16: 1.004 / 0.993 / 0.987 / 0.982; but B 1 (items of 4 splits): 1.06-1.12
+ *   (NOTES.md v5.23), so the planner takes the rule only where items are long.
  */
 int da_cu_tail_splits(int tail, int64_t n);
+
+/* The DA_CU_PART_PER tail setting a decode launch by ticket takes: per_tail (DA_CUDA_PER_TAIL)
+ * where it is >= 0, else the rule (-1) where the partial items without tails would be of 16
+ * splits or more, 0 where shorter (B 1 L 64k: 4 splits an item, where tails cost 4-8 %). */
+int da_cu_per_tail(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
+                   int per_tail, int64_t slots);
+
+/* The tail k of a block of n splits run as kind: da_cu_tail_splits of prefix_tail for
+ * DA_CU_PART_TAIL, of per_tail for DA_CU_PART_PER, 0 in-row. */
+int da_cu_block_tail(int kind, int prefix_tail, int per_tail, int64_t n);
 
 /* Whether every row of the block [r0, r0 + brows) of a starts at split j0, the block's first:
  * only then may the block's first item be a prefix item (the kernels write each row's fold to
  * the slot of split j0). Without a window always; with one a later row may start later. */
 int da_cu_prefix_rows(const da_model *m, int brows, int S, const da_attn *a, int64_t r0, int j0);
 
-/* The end of the first item of a block with splits [j0, j1) run as kind: j1 in-row, j0 + per
- * (at most j1) for DA_CU_PART_PER, j1 - da_cu_tail_splits(tail, j1 - j0) for
- * DA_CU_PART_TAIL. Where that item is a prefix item, its rows' combine goes on from there. */
-int da_cu_first_end(int kind, int per, int tail, int j0, int j1);
+/* The end of the first item of a block with splits [j0, j1) run as kind, with a tail of k
+ * one-split items (da_cu_block_tail): j1 in-row, j1 - k for DA_CU_PART_TAIL, j0 + per (at
+ * most j1 - k) for DA_CU_PART_PER. Where that item is a prefix item, its rows' combine goes
+ * on from there. */
+int da_cu_first_end(int kind, int per, int k, int j0, int j1);
 
 /* Whether pass 0 (in-row items), 1 (partial blocks' first items, and DA_CU_PART_PER's others)
- * or 2 (DA_CU_PART_TAIL's one-split items, listed after every prefix item) has items of kind. */
+ * or 2 (the one-split tail items of partial blocks, listed after every other item) may have
+ * items of kind. */
 int da_cu_pass_has(int pass, int kind);
 
 /* Writes to out the items that pass `pass` has of one block and kv head (it's attn, kv_head
- * and row0; splits [j0, j1) of the block) and returns their count: the block's first item
- * (flags DA_CU_ITEM_PREFIX where prefix, partial kinds only) and its later ones. Passes 0-2
- * together cover [j0, j1) once, in order. */
-int da_cu_block_items(int pass, int kind, int per, int tail, int prefix, da_cu_item it, int j0, int j1,
+ * and row0; splits [j0, j1) of the block, the last k of them its tail) and returns their
+ * count: the block's first item (flags DA_CU_ITEM_PREFIX where prefix, partial kinds only),
+ * its later ones of per splits (DA_CU_PART_PER), its tail's. Passes 0-2 together cover
+ * [j0, j1) once, in order. */
+int da_cu_block_items(int pass, int kind, int per, int k, int prefix, da_cu_item it, int j0, int j1,
                       da_cu_item *out);
 
 /* The key tiles of T tokens that the CTA running item it walks: from the first row's window

@@ -414,22 +414,29 @@ START_TEST(streaming_batch_equals_rows_alone) {
 }
 END_TEST
 
-/* DA_CUDA_PREFIX_TAIL: a decode batch big enough to run in-row (more kv-head blocks than 1.5x
- * the SMs) runs each row as a prefix item and its last splits as one-split items, combined,
- * and gives the in-row bits; with a window, the rows' first splits are not 0. */
+/* One-split tails give the in-row bits. Loops 0-1, DA_CUDA_PREFIX_TAIL: a decode batch big
+ * enough to run in-row (more kv-head blocks than 1.5x the SMs) runs each row as a prefix item
+ * and its last splits as one-split items, combined. Loops 2-3, DA_CUDA_PER_TAIL: a small
+ * one runs as partial items (a prefix item, then items of DA_CUDA_PARTIAL_PER splits) and the
+ * last two splits of each row as one-split items. Odd loops with a window: the rows' first
+ * splits are not 0 (6 splits a row there, 8 in the others). */
 START_TEST(tail_items_equal_inrow) {
   static const tcfg tc[] = {{.hq = 16, .hkv = 8, .d = 128, .S = 128, .P = 16, .dt = DA_BF16},
                             {.hq = 16, .hkv = 8, .d = 64, .window = 300, .S = 64, .P = 16, .dt = DA_FP16}};
-  const tcfg *c = &tc[_i];
-  enum { NS = 40, N = 1000 };
+  const tcfg *c = &tc[_i % 2];
+  const int per_tail = _i >= 2, NS = per_tail ? 4 : 40;
+  enum { N = 1000, MAX_NS = 40 };
   const int n_pool = NS * (N / c->P + 1) + 16;
   da_rng r;
   da_rng_seed(&r, g_seed + 800 + (uint64_t)_i);
-  setenv("DA_CUDA_PREFIX_TAIL", "2", 1);
+  const char *var = per_tail ? "DA_CUDA_PER_TAIL" : "DA_CUDA_PREFIX_TAIL";
+  setenv(var, "2", 1);
+  if (per_tail) setenv("DA_CUDA_PARTIAL_PER", "2", 1);
   da_backend *be = open_be_with(c, n_pool, 1);
-  unsetenv("DA_CUDA_PREFIX_TAIL");
+  unsetenv(var);
+  unsetenv("DA_CUDA_PARTIAL_PER");
   const int sm90 = strcmp(da_backend_get_info(be)->arch, "sm_90") == 0;
-  seq s[NS];
+  seq s[MAX_NS];
   seqs_appended(be, c, s, NS, N, &r, n_pool);
   const size_t row = (size_t)c->hq * c->d;
   uint16_t *o[2];
@@ -437,7 +444,8 @@ START_TEST(tail_items_equal_inrow) {
   outs_alloc(c, NS, 2, o, lse);
   for (int k = 0; k < 2; k++) {
     const int64_t partial = decode_rows(be, c, s, 0, NS, N, o[k], lse[k], k ? DA_SPLIT_AUTO : DA_SPLIT_INROW);
-    ck_assert_int_eq(partial, k && sm90 ? (int64_t)NS * c->hq : 0);
+    /* partial rows in the automatic form: tails on sm_90, the small batch's partials anywhere */
+    ck_assert_int_eq(partial, k && (sm90 || per_tail) ? (int64_t)NS * c->hq : 0);
   }
   assert_same(o[0], o[1], (size_t)NS * row * 2, "tail items o");
   assert_same(lse[0], lse[1], (size_t)NS * c->hq * 4, "tail items lse");
@@ -568,7 +576,8 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_L2_PROMO", "128", "expected none or 256"},
              {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"},
              {"DA_CUDA_PREFIX", "yes", "expected 0 or 1"},
-             {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits (0 none), 1 to 64"}};
+             {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits (0 none), 1 to 64"},
+             {"DA_CUDA_PER_TAIL", "-1", "expected tail splits (0 none), 1 to 64"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -689,7 +698,8 @@ END_TEST
  * in-row batches only, with pipes for in-row decode batches only, with either promotion (one
  * of them is the card's default), without Q by TMA, without prefix items (every partial
  * split written and combined) and with partial items of 1 and 3 splits (prefix items of one
- * split, or of a few before partial ones) gives the default's digests. */
+ * split, or of a few before partial ones) and with one-split tails of partial blocks (1 and
+ * 3 splits) gives the default's digests. */
 START_TEST(every_deal_gives_the_same_digests) {
   static const struct {
     const char *var, *val;
@@ -701,7 +711,9 @@ START_TEST(every_deal_gives_the_same_digests) {
                {"DA_CUDA_SM90_QTMA", "0"},
                {"DA_CUDA_PREFIX", "0"},
                {"DA_CUDA_PARTIAL_PER", "1"},
-               {"DA_CUDA_PARTIAL_PER", "3"}};
+               {"DA_CUDA_PARTIAL_PER", "3"},
+               {"DA_CUDA_PER_TAIL", "1"},
+               {"DA_CUDA_PER_TAIL", "3"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
   for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
@@ -743,7 +755,7 @@ int main(void) {
   tcase_add_loop_test(tc, page_sizes_are_bit_identical, 0, N_CFGS);
   tcase_add_loop_test(tc, alone_equals_inside_random_batches, 0, N_CFGS);
   tcase_add_test(tc, fork_equals_fresh_and_leaves_source_intact);
-  tcase_add_loop_test(tc, tail_items_equal_inrow, 0, 2);
+  tcase_add_loop_test(tc, tail_items_equal_inrow, 0, 4);
   tcase_add_test(tc, digests_pinned_for_this_kernel_version);
   tcase_add_test(tc, every_deal_gives_the_same_digests);
   suite_add_tcase(su, tc);

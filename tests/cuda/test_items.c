@@ -58,7 +58,7 @@ START_TEST(decode_items_keep_the_longest_cta_within_a_tenth_of_the_best_per) {
       }
       const da_batch b = {.attns = attns, .n_attns = B};
       int64_t n_items = 0, dealt = 0;
-      const int per = da_cu_partial_per(&model, BROWS, S, T, &b, partial, SLOTS, &n_items);
+      const int per = da_cu_partial_per(&model, BROWS, S, T, &b, partial, 0, SLOTS, &n_items);
       ck_assert_int_ge(per, 1);
       ck_assert_int_le(per, 64);
       const int64_t longest = longest_share(&model, &b, per, &dealt);
@@ -80,9 +80,11 @@ START_TEST(decode_items_keep_the_longest_cta_within_a_tenth_of_the_best_per) {
 END_TEST
 
 /* Blocks of a prefill attention see different splits (causal; a sliding window moves j0):
- * the count is whole items per block and kv head, and attentions run in-row add none. The
- * expected count is worked out here from positions, not with da_cu_block_splits. */
-static int64_t count_by_hand(const da_model *m, const da_attn *attns, const unsigned char *partial, int n, int per) {
+ * the count is whole items per block and kv head, and attentions run in-row add none; a
+ * block of more than 2 k splits has k one-split tail items more. The expected count is
+ * worked out here from positions, not with da_cu_block_splits. */
+static int64_t count_by_hand(const da_model *m, const da_attn *attns, const unsigned char *partial, int n, int per,
+                             int k) {
   const int G = m->n_q_heads / m->n_kv_heads;
   int64_t items = 0;
   for (int i = 0; i < n; i++) {
@@ -92,8 +94,8 @@ static int64_t count_by_hand(const da_model *m, const da_attn *attns, const unsi
       const int64_t last = r0 + BROWS < rows ? r0 + BROWS : rows;
       const int64_t p0 = attns[i].q_pos + r0 / G, p1 = attns[i].q_pos + (last - 1) / G;
       const int64_t w0 = m->window > 0 && p0 - m->window + 1 > 0 ? p0 - m->window + 1 : 0;
-      const int64_t splits = p1 / S - w0 / S + 1;
-      items += m->n_kv_heads * ((splits + per - 1) / per);
+      const int64_t splits = p1 / S - w0 / S + 1, tail = splits > 2 * k ? k : 0;
+      items += m->n_kv_heads * ((splits - tail + per - 1) / per + tail);
     }
   }
   return items;
@@ -106,20 +108,28 @@ START_TEST(items_are_counted_whole_per_block_and_only_for_partial_attentions) {
   const unsigned char partial[3] = {1, 0, 1};
   const da_batch b = {.attns = attns, .n_attns = 3};
   static const int64_t slots[] = {1, 7, 132, 100000};
-  for (size_t k = 0; k < sizeof(slots) / sizeof(slots[0]); k++) {
-    int64_t n = 0;
-    const int per = da_cu_partial_per(&m, BROWS, S, T, &b, partial, slots[k], &n);
-    ck_assert_int_eq(n, count_by_hand(&m, attns, partial, 3, per));
-  }
+  for (int tail = 0; tail <= 3; tail += 3)
+    for (size_t k = 0; k < sizeof(slots) / sizeof(slots[0]); k++) {
+      int64_t n = 0;
+      const int per = da_cu_partial_per(&m, BROWS, S, T, &b, partial, tail, slots[k], &n);
+      ck_assert_int_eq(n, count_by_hand(&m, attns, partial, 3, per, tail));
+    }
   m.window = 0;
-  int64_t n = 0;
-  const int per = da_cu_partial_per(&m, BROWS, S, T, &b, partial, SLOTS, &n);
-  ck_assert_int_eq(n, count_by_hand(&m, attns, partial, 3, per));
-  /* Any per, as DA_CUDA_PARTIAL_PER sets it. */
-  for (int k = 1; k <= 64; k *= 2) ck_assert_int_eq(da_cu_partial_items(&m, BROWS, S, &b, partial, k), count_by_hand(&m, attns, partial, 3, k));
+  int64_t n = 0, first = 0;
+  const int per = da_cu_partial_per(&m, BROWS, S, T, &b, partial, 0, SLOTS, &n);
+  ck_assert_int_eq(n, count_by_hand(&m, attns, partial, 3, per, 0));
+  /* Any per and tail, as DA_CUDA_PARTIAL_PER and DA_CUDA_PER_TAIL set them; *n_first leaves
+   * the tails out. */
+  for (int k = 1; k <= 64; k *= 2)
+    for (int tail = 0; tail <= 5; tail += 5) {
+      ck_assert_int_eq(da_cu_partial_items(&m, BROWS, S, &b, partial, k, tail, &first),
+                       count_by_hand(&m, attns, partial, 3, k, tail));
+      /* one block has a tail: the 3-token attention's 79 splits (the others' are 8 or fewer) */
+      ck_assert_int_eq(first, count_by_hand(&m, attns, partial, 3, k, tail) - 8 * tail);
+    }
   const unsigned char none[3] = {0, 0, 0};
   n = -1;
-  ck_assert_int_eq(da_cu_partial_per(&m, BROWS, S, T, &b, none, SLOTS, &n), 1);
+  ck_assert_int_eq(da_cu_partial_per(&m, BROWS, S, T, &b, none, 0, SLOTS, &n), 1);
   ck_assert_int_eq(n, 0);
 }
 END_TEST
@@ -136,6 +146,31 @@ START_TEST(tails_are_an_eighth_from_32_splits_and_less_than_half) {
   ck_assert_int_eq(da_cu_tail_splits(2, 4), 0);
   ck_assert_int_eq(da_cu_tail_splits(64, 129), 64);
   ck_assert_int_eq(da_cu_tail_splits(64, 128), 0);
+}
+END_TEST
+
+/* A decode launch takes partial blocks' tails by the rule where its items would be long: B 8
+ * (16) decode rows at L 64k over 2 pipes of 132 CTAs are 64 (128) kv-head blocks of 128
+ * splits, items of 32 (64) splits; B 1 and 2 make items of 4 and 8, B 4 of 16. A setting
+ * (DA_CUDA_PER_TAIL) is taken as it is. */
+START_TEST(partial_tails_by_rule_only_after_long_items) {
+  static const struct {
+    int B, want;
+  } cases[] = {{1, 0}, {2, 0}, {4, -1}, {8, -1}, {16, -1}};
+  da_attn attns[16];
+  unsigned char partial[16];
+  for (int i = 0; i < 16; i++) attns[i] = (da_attn){.q_pos = 65535, .n_q = 1}, partial[i] = DA_CU_PART_PER;
+  for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+    const da_batch b = {.attns = attns, .n_attns = cases[k].B};
+    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, -1, 2 * SLOTS), cases[k].want);
+    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, 0, 2 * SLOTS), 0);
+    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, 3, 2 * SLOTS), 3);
+  }
+  /* B 8 with the rule's tail (16 of 128 splits): items of 28 splits (112 / 4), 64 x (4 + 16) */
+  const da_batch b8 = {.attns = attns, .n_attns = 8};
+  int64_t n = 0;
+  ck_assert_int_eq(da_cu_partial_per(&model, 16, S, T, &b8, partial, -1, 2 * SLOTS, &n), 28);
+  ck_assert_int_eq(n, 64 * (4 + 16));
 }
 END_TEST
 
@@ -159,8 +194,9 @@ START_TEST(prefix_rows_need_every_row_to_start_at_the_first_split) {
 END_TEST
 
 /* Passes 0-2 of one block and kv head cover its splits once and in order; a partial block's
- * first item is its prefix item where asked and ends at da_cu_first_end; the counts are those
- * the planner allots (in-row 1, per splits whole items, a tail 1 + k). */
+ * first item is its prefix item where asked and ends at da_cu_first_end; the last k items
+ * (da_cu_block_tail) are of one split each and come in pass 2; the counts are those the
+ * planner allots (in-row 1, per splits whole items, a tail 1 + k, k more for per's tail). */
 START_TEST(block_items_cover_each_split_once) {
   static const int pers[] = {1, 3, 32}, tails[] = {-1, 0, 2, 16};
   da_cu_item out[200];
@@ -171,15 +207,19 @@ START_TEST(block_items_cover_each_split_once) {
         for (int prefix = 0; prefix < 2; prefix++)
           for (int j0 = 0; j0 <= 5; j0 += 5)
             for (int n = 1; n <= 140; n++) {
-              const int per = pers[pi], tail = tails[ti], j1 = j0 + n;
+              const int per = pers[pi], j1 = j0 + n;
+              const int tail = da_cu_block_tail(kind, tails[ti], tails[ti], n);
               const da_cu_item it = {.attn = 3, .kv_head = 5, .row0 = 256, .flags = 7};
-              int total = 0, next = j0;
+              int total = 0, next = j0, in_pass2 = 0;
               for (int pass = 0; pass < 3; pass++) {
                 const int k = da_cu_block_items(pass, kind, per, tail, prefix, it, j0, j1, out + total);
                 /* pass 2 of a tail of 0 splits has none */
                 ck_assert(pass == 2 ? k == 0 || da_cu_pass_has(pass, kind) : (k > 0) == da_cu_pass_has(pass, kind));
+                if (pass == 2) in_pass2 = k;
                 total += k;
               }
+              ck_assert_int_eq(in_pass2, tail);
+              for (int t = total - tail; t < total; t++) ck_assert_int_eq(out[t].j1 - out[t].j0, 1);
               for (int t = 0; t < total; t++) {
                 ck_assert_int_eq(out[t].j0, next);
                 ck_assert_int_gt(out[t].j1, out[t].j0);
@@ -189,9 +229,9 @@ START_TEST(block_items_cover_each_split_once) {
               }
               ck_assert_int_eq(next, j1);
               ck_assert_int_eq(out[0].j1, da_cu_first_end(kind, per, tail, j0, j1));
-              const int want = kind == DA_CU_INROW ? 1
-                               : kind == DA_CU_PART_PER ? (n + per - 1) / per
-                                                        : 1 + da_cu_tail_splits(tail, n);
+              const int want = kind == DA_CU_INROW      ? 1
+                               : kind == DA_CU_PART_PER ? (n - tail + per - 1) / per + tail
+                                                        : 1 + tail;
               ck_assert_int_eq(total, want);
               cases++;
             }
@@ -303,6 +343,7 @@ int main(void) {
   tcase_add_test(tc, decode_items_keep_the_longest_cta_within_a_tenth_of_the_best_per);
   tcase_add_test(tc, items_are_counted_whole_per_block_and_only_for_partial_attentions);
   tcase_add_test(tc, tails_are_an_eighth_from_32_splits_and_less_than_half);
+  tcase_add_test(tc, partial_tails_by_rule_only_after_long_items);
   tcase_add_test(tc, prefix_rows_need_every_row_to_start_at_the_first_split);
   tcase_add_test(tc, block_items_cover_each_split_once);
   suite_add_tcase(s, tc);
