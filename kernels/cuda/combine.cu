@@ -4,7 +4,9 @@
  * split, with the same da_merge_weights / da_merge_o as the in-row folds. One
  * split: the output is o_0 rounded, no merge applied. Where a prefix item (item.h) folded
  * the row's first splits, its fold in the first split's slot is the state the fold goes on
- * from (da_cu_citem.jc).
+ * from (da_cu_citem.jc). Two forms with the same arithmetic in the same order:
+ * combine_kernel (a CTA a row, the lse chain a chunk ahead of the fold) and, where every row
+ * is short, combine_short_kernel (a warp a row).
  */
 #include <atomic>
 
@@ -46,6 +48,52 @@ struct shape {
   static constexpr int R = 4;                    /* ring slots: 16 KiB (d 64) or 32 KiB of o_j */
 };
 
+/* A combine row's splits: slot `first` (split jf's) holds the fold of splits [jf, js), split
+ * jf's own or a prefix item's fold; the n splits from slot `next` (split js's) on are merged
+ * into it, in order. */
+struct crow {
+  int row, jf, jl, n;
+  int64_t first, next;
+};
+
+__device__ __forceinline__ crow combine_row(const da_cu_args &a, const da_cu_citem &ci, const da_cu_attn &at) {
+  crow r;
+  r.row = ci.row0;
+  const int p = at.q_pos + r.row / a.n_q_heads;
+  const int w0 = a.window > 0 ? max(0, p - a.window + 1) : 0;
+  r.jf = w0 / a.split_tokens, r.jl = p / a.split_tokens;
+  const int js = max(r.jf + 1, min(ci.jc, r.jl + 1));
+  r.n = r.jl + 1 - js;
+  r.first = at.slot_base + (int64_t)r.row * at.n_splits + r.jf;
+  r.next = r.first + (js - r.jf);
+  return r;
+}
+
+/* A row's output: o rounded to the dtype. */
+template <bool BF16>
+__device__ __forceinline__ uint16_t round_o(float o) {
+  if constexpr (BF16) {
+    __nv_bfloat16 h = __float2bfloat16_rn(o);
+    return *reinterpret_cast<uint16_t *>(&h);
+  } else {
+    __half h = __float2half_rn(o);
+    return *reinterpret_cast<uint16_t *>(&h);
+  }
+}
+
+/* The row's o_j are dead once folded, and were stored evict_last: in a launch that streams
+ * its K/V over the L2 their dirty lines would hold L2 space and be written back to HBM.
+ * Dropped instead (B 8 L 64k: 2 % faster, NOTES v5.12). The pool is written before it is read
+ * in every launch, so nothing reads the undefined lines. A split's o_j is D * 4 bytes: whole
+ * 128-byte lines. Slots jf .. jl (those a prefix item folded: unwritten); thread t of
+ * `threads`. */
+template <int D>
+__device__ __forceinline__ void drop_row(const da_cu_args &a, const crow &r, int t, int threads) {
+  const char *o0 = reinterpret_cast<const char *>(a.acc_o + r.first * D);
+  const int lines = (r.jl + 1 - r.jf) * D * 4 / 128;
+  for (int i = t; i < lines; i += threads) da_l2_discard(o0 + 128 * i);
+}
+
 /* Named barrier 1 over the fold threads (the chain warp runs on without it). */
 template <int COUNT>
 __device__ __forceinline__ void fold_sync() {
@@ -86,16 +134,10 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
   const da_cu_citem ci = a.citems[blockIdx.x];
   const da_cu_attn at = a.attns[ci.attn];
   const int tid = threadIdx.x;
-  const int row = ci.row0;
-  const int p = at.q_pos + row / a.n_q_heads;
-  const int w0 = a.window > 0 ? max(0, p - a.window + 1) : 0;
-  const int jf = w0 / a.split_tokens, jl = p / a.split_tokens;
-  /* Slot jf holds the fold of splits [jf, js): split jf's own, or a prefix item's fold */
-  const int js = max(jf + 1, min(ci.jc, jl + 1));
-  const int n = jl + 1 - js; /* splits merged into it */
+  const crow r = combine_row(a, ci, at);
+  const int row = r.row, n = r.n;
+  const int64_t first = r.first, next = r.next;
   const int nch = (n + CH - 1) / CH;
-  const int64_t first = at.slot_base + (int64_t)row * at.n_splits + jf; /* slot of split jf */
-  const int64_t next = first + (js - jf);                               /* slot of split js */
   const uint32_t wfull = smem_addr(s_bar[0]), dfull = smem_addr(s_bar[1]), wempty = smem_addr(s_bar[2]);
 #if __CUDA_ARCH__ >= 900
   constexpr uint32_t DFULL_ARRIVALS = 1;
@@ -194,24 +236,73 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     DA_TRACE_IF(tid == 0 && c < 16, 20 + c); /* chunk c folded */
   }
   DA_TRACE_IF(tid == 0, 2); /* the row folded */
-  uint16_t *dst = static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)row * D + tid;
-  if constexpr (BF16) {
-    __nv_bfloat16 h = __float2bfloat16_rn(o);
-    *dst = *reinterpret_cast<uint16_t *>(&h);
+  static_cast<uint16_t *>(a.o)[at.o_off + (int64_t)row * D + tid] = round_o<BF16>(o);
+  if (a.kv_stream) drop_row<D>(a, r, tid, FOLD); /* every chunk's copy has landed (dfull) */
+}
+
+/*
+ * Rows that merge few splits (a->combine_short: every row of the launch has at most
+ * DA_CUDA_COMBINE_SHORT splits): one warp a row, SHORT_WARPS rows a CTA, no shared memory.
+ * Each lane folds D / 32 columns straight from the pool and runs the row's lse chain itself
+ * (every lane the same chain, as the chain warp above). The same da_merge_weights_chain /
+ * da_merge_finish / da_merge_o in the same order as combine_kernel, so the same bits; what
+ * goes is that kernel's per-CTA set-up (mbarriers, a ring of 32 KB, one CTA a row), which
+ * costs more than a row of one merge: B 1 / 8 L 1k (two splits) take 0.95x / 0.94x the step.
+ * But here each split's loads sit in the chain (combine_kernel's chain warp runs a chunk
+ * ahead of copies already landed): at 4 splits (B 8 L 2k) 1.03x, at 32 (B 1 L 16k) 1.15x; at
+ * B 32-64 L 16k (a prefix fold and 4 tail splits) even (NOTES.md v5.23).
+ */
+constexpr int SHORT_WARPS = 4;
+
+/* A lane's V adjacent floats of a row (V 2, 4 or 8; 8-byte aligned at least: slots are D * 4
+ * bytes and a lane's columns start at a multiple of V). */
+template <int V>
+__device__ __forceinline__ void load_cols(float (&x)[V], const float *p) {
+  if constexpr (V % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < V / 4; i++) {
+      const float4 t = reinterpret_cast<const float4 *>(p)[i];
+      x[4 * i] = t.x, x[4 * i + 1] = t.y, x[4 * i + 2] = t.z, x[4 * i + 3] = t.w;
+    }
   } else {
-    __half h = __float2half_rn(o);
-    *dst = *reinterpret_cast<uint16_t *>(&h);
+    static_assert(V == 2, "a lane's columns: 2, 4 or 8");
+    const float2 t = *reinterpret_cast<const float2 *>(p);
+    x[0] = t.x, x[1] = t.y;
   }
-  /* The row's o_j are dead once folded (every chunk's copy has landed: dfull), and were stored
-   * evict_last: in a launch that streams its K/V over the L2 their dirty lines would hold L2
-   * space and be written back to HBM. Dropped instead (B 8 L 64k: 2 % faster, NOTES v5.12).
-   * The pool is written before it is read in every launch, so nothing reads the undefined
-   * lines. A split's o_j is D * 4 bytes: whole 128-byte lines. */
-  if (a.kv_stream) {
-    const char *o0 = reinterpret_cast<const char *>(a.acc_o + first * D);
-    const int lines = (jl + 1 - jf) * D * 4 / 128; /* slots jf .. jl (those a prefix folded: unwritten) */
-    for (int i = tid; i < lines; i += FOLD) da_l2_discard(o0 + 128 * i);
+}
+
+template <int D, bool BF16>
+__global__ void __launch_bounds__(32 * SHORT_WARPS) combine_short_kernel(const da_cu_args a) {
+  constexpr int V = D / 32; /* columns a lane: 2, 4 or 8, adjacent */
+  da_pdl_trigger();
+  const int lane = threadIdx.x % 32, idx = blockIdx.x * SHORT_WARPS + threadIdx.x / 32;
+  if (idx >= a.n_citems) return;
+  const da_cu_citem ci = a.citems[idx];
+  const da_cu_attn at = a.attns[ci.attn];
+  const crow r = combine_row(a, ci, at);
+  da_pdl_wait(); /* the attention grid complete: its partials visible */
+  const int col = lane * V;
+  float o[V];
+  load_cols<V>(o, a.acc_o + r.first * D + col);
+  float lse = a.acc_lse[r.first];
+  const float *lse_j = a.acc_lse + r.next, *o_j = a.acc_o + r.next * D + col;
+#pragma unroll 4
+  for (int k = 0; k < r.n; k++) {
+    float x[V];
+    load_cols<V>(x, o_j + (int64_t)k * D);
+    const da_merge_w mw = da_merge_weights_chain(lse, lse_j[k]);
+    float wa, wb;
+    da_merge_finish(mw.a, mw.b, mw.s, wa, wb);
+    lse = mw.lse;
+#pragma unroll
+    for (int v = 0; v < V; v++) o[v] = da_merge_o(wa, wb, o[v], x[v]);
   }
+  /* pairs of outputs a 32-bit store (o_off, D and col are even) */
+  uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)r.row * D + col);
+#pragma unroll
+  for (int v = 0; v < V; v += 2) dst[v / 2] = round_o<BF16>(o[v]) | (uint32_t)round_o<BF16>(o[v + 1]) << 16;
+  if (lane == 0 && at.lse_off >= 0) a.lse[at.lse_off + r.row] = da_lse_out(lse);
+  if (a.kv_stream) drop_row<D>(a, r, lane, 32);
 }
 
 /*
@@ -259,6 +350,13 @@ cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
     li->n_sm.store(n_sm, std::memory_order_relaxed);
     li->ready.store(1, std::memory_order_release);
   }
+  cudaLaunchAttribute attr;
+  const bool pdl = li->pdl.load(std::memory_order_relaxed) == 2;
+  if (a->combine_short) {
+    const cudaLaunchConfig_t lc =
+        da_pdl_config((unsigned)((a->n_citems + SHORT_WARPS - 1) / SHORT_WARPS), 32 * SHORT_WARPS, 0, stream, &attr, pdl);
+    return cudaLaunchKernelEx(&lc, combine_short_kernel<D, BF16>, *a);
+  }
   /* Dynamic bytes so that a CTA takes more than 1 / (per_sm + 1) of an SM's shared memory
    * (the driver reserves 1 KB a CTA). */
   const int n_sm = li->n_sm.load(std::memory_order_relaxed);
@@ -266,9 +364,8 @@ cudaError_t launch(const da_cu_args *a, cudaStream_t stream) {
   const int want = a->combine_splits < SPREAD_SPLITS ? 0
                    : li->sm_smem.load(std::memory_order_relaxed) / (per_sm + 1) + 128 - 1024 -
                          li->static_smem.load(std::memory_order_relaxed);
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t lc = da_pdl_config((unsigned)a->n_citems, shape<D>::THREADS, want > 0 ? (size_t)want : 0,
-                                              stream, &attr, li->pdl.load(std::memory_order_relaxed) == 2);
+  const cudaLaunchConfig_t lc =
+      da_pdl_config((unsigned)a->n_citems, shape<D>::THREADS, want > 0 ? (size_t)want : 0, stream, &attr, pdl);
   return cudaLaunchKernelEx(&lc, combine_kernel<D, BF16>, *a);
 }
 

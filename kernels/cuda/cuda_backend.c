@@ -39,6 +39,10 @@
 #define KERNEL_VERSION 5u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
+/* DA_CUDA_COMBINE_SHORT: rows of one merge (two splits). Same-call A/B on an H200 (NOTES.md
+ * v5.23): B 1 / 8 L 1k 0.95x / 0.94x the step, but B 8 L 2k (4 splits) 1.03x and B 1 L 16k
+ * 1.15x: a warp's chain waits on each split's loads where combine_kernel's ran ahead. */
+#define DEFAULT_COMBINE_SHORT 2
 #define ALIGN 256
 
 typedef struct cuda_ctx {
@@ -65,6 +69,7 @@ typedef struct cuda_ctx {
   int prefix_tail;   /* decode rows that would run in-row run as a prefix item and their last splits as
                         one-split items (DA_CU_PART_TAIL): -1 by rule (da_cu_tail_splits), 0 never, k > 0
                         the last k (DA_CUDA_PREFIX_TAIL) */
+  int combine_short; /* rows of at most this many splits are combined a warp a row (DA_CUDA_COMBINE_SHORT) */
   int per_tail;      /* decode launches by ticket: DA_CU_PART_PER blocks' last splits as one-split items
                         (da_cu_tail_splits): -1 by rule, 0 never, k > 0 the last k (DA_CUDA_PER_TAIL) */
   cudaStream_t stream, copy;
@@ -357,6 +362,18 @@ static int tail_env(const char *var, int *tail, char *err, size_t errlen) {
   return int_env(var, 1, 64, "tail splits (0 none)", tail, err, errlen);
 }
 
+/* DA_CUDA_COMBINE_SHORT: launches whose partial rows have at most k splits (0 to 4096; 0 never)
+ * are combined a warp a row (combine.cu's short form) instead of a CTA a row; unset or empty,
+ * DEFAULT_COMBINE_SHORT. The bits never depend on it. */
+static int combine_short_env(int *k, char *err, size_t errlen) {
+  const char *env = getenv("DA_CUDA_COMBINE_SHORT");
+  if (env == NULL || env[0] == '\0') {
+    *k = DEFAULT_COMBINE_SHORT;
+    return 0;
+  }
+  return int_env("DA_CUDA_COMBINE_SHORT", 0, 4096, "the most splits of a row combined a warp a row", k, err, errlen);
+}
+
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
@@ -421,6 +438,7 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = prefix_env(&c->prefix, err, errlen);
     if (rv == 0) rv = tail_env("DA_CUDA_PREFIX_TAIL", &c->prefix_tail, err, errlen);
     if (rv == 0) rv = tail_env("DA_CUDA_PER_TAIL", &c->per_tail, err, errlen);
+    if (rv == 0) rv = combine_short_env(&c->combine_short, err, errlen);
     if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
     if (rv != 0) goto fail;
 #ifdef DA_CUDA_HAVE_SM90A
@@ -909,6 +927,7 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
   g->split_tokens = S, g->tile_tokens = c->cfg.num.tile_tokens, g->window = m->window, g->bf16 = m->dtype == DA_BF16;
   g->has_inrow = pl->inrow_rows > 0 || (c->prefix && pl->partial_rows > 0); /* prefix items fold too */
   g->combine_splits = pl->max_splits;
+  g->combine_short = pl->max_splits <= c->combine_short;
   g->ticket = pl->tickets ? c->ticket : NULL;
   g->n_pool_pages = c->cfg.n_pages;
   g->n_sm = c->sm90_grid > 0 ? c->sm90_grid : c->n_sm;

@@ -92,6 +92,7 @@ typedef struct da_cu_args {
   int n_sm;           /* CTAs of prefill_sm90.cu's persistent grid: the device's SMs */
   int tile_tokens;    /* T: DA_CU_TILE, or DA_CU_TILE_MAX where head_dim <= 128 */
   int combine_splits; /* the most splits a partial row has (combine.cu spreads long rows' CTAs) */
+  int combine_short;  /* every partial row is short: combine.cu folds a row a warp (combine_short_kernel) */
   int kv_stream;      /* the launch's K/V exceed the L2: prefill_sm90.cu loads a decode-only
                          launch's K/V (no other item reads them) as evict_first, so they leave
                          the L2 to the partials; combine.cu drops a row's o_j from the L2 once

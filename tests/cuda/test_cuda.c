@@ -577,7 +577,8 @@ START_TEST(create_rejects_unknown_path_settings) {
              {"DA_CUDA_SM90_QTMA", "2", "expected 0 or 1"},
              {"DA_CUDA_PREFIX", "yes", "expected 0 or 1"},
              {"DA_CUDA_PREFIX_TAIL", "65", "expected tail splits (0 none), 1 to 64"},
-             {"DA_CUDA_PER_TAIL", "-1", "expected tail splits (0 none), 1 to 64"}};
+             {"DA_CUDA_PER_TAIL", "-1", "expected tail splits (0 none), 1 to 64"},
+             {"DA_CUDA_COMBINE_SHORT", "4097", "expected the most splits of a row combined a warp a row, 0 to 4096"}};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
     da_backend *be = NULL;
     char err[256] = "";
@@ -698,8 +699,9 @@ END_TEST
  * in-row batches only, with pipes for in-row decode batches only, with either promotion (one
  * of them is the card's default), without Q by TMA, without prefix items (every partial
  * split written and combined) and with partial items of 1 and 3 splits (prefix items of one
- * split, or of a few before partial ones) and with one-split tails of partial blocks (1 and
- * 3 splits) gives the default's digests. */
+ * split, or of a few before partial ones), with one-split tails of partial blocks (1 and
+ * 3 splits) and with every combine a CTA a row or a warp a row (combine.cu's two forms)
+ * gives the default's digests. */
 START_TEST(every_deal_gives_the_same_digests) {
   static const struct {
     const char *var, *val;
@@ -713,7 +715,9 @@ START_TEST(every_deal_gives_the_same_digests) {
                {"DA_CUDA_PARTIAL_PER", "1"},
                {"DA_CUDA_PARTIAL_PER", "3"},
                {"DA_CUDA_PER_TAIL", "1"},
-               {"DA_CUDA_PER_TAIL", "3"}};
+               {"DA_CUDA_PER_TAIL", "3"},
+               {"DA_CUDA_COMBINE_SHORT", "0"},
+               {"DA_CUDA_COMBINE_SHORT", "4096"}};
   uint64_t want[N_CFGS];
   for (int i = 0; i < N_CFGS; i++) want[i] = workload_digest(&cfgs[i]);
   for (size_t k = 0; k < sizeof(forms) / sizeof(forms[0]); k++) {
