@@ -3,7 +3,8 @@
 old build, of the new one (and of each variant), the ratio new/old, and the noise: the
 larger of the two builds' spreads between rounds (max / min - 1), so a ratio within it is
 not a result; with peers.csv, each build's prefill ratio against PyTorch's flash and cuDNN
-(peer ms / ours: above 1 is faster).
+(peer ms / ours: above 1 is faster). Without an old build (ab_gpu.sh none) the variants are
+compared with the new build's defaults.
 Usage: ab_compare.py OUT_DIR"""
 import collections
 import csv
@@ -49,17 +50,23 @@ def main():
     names = {re.sub(r"^pre-(.*)-(x?[\dx]+)-\d+\.csv$", r"\1", os.path.basename(p))
              for p in glob.glob(os.path.join(out, "pre-*.csv"))}
     old = load(out, "pre-old-*.csv")
+    base = old or load(out, "pre-new-*.csv")  # without an old tree: the new build's defaults
     if old:
         table("prefill", old, load(out, "pre-new-*.csv"))
+    if base:
         for v in sorted(names - {"old", "new"}):
-            table(f"prefill, {v}", old, load(out, f"pre-{v}-*.csv"))
+            table(f"prefill, {v}" + ("" if old else " (old: the new build's defaults)"), base,
+                  load(out, f"pre-{v}-*.csv"))
     dec_old = load(out, "dec-old-*.csv")
+    dec_base = dec_old or load(out, "dec-new-*.csv")
     if dec_old:
         table("decode", dec_old, load(out, "dec-new-*.csv"))
+    if dec_base:
         dec_names = {re.sub(r"^dec-(.*)-\d+-\d+\.csv$", r"\1", os.path.basename(p))
                      for p in glob.glob(os.path.join(out, "dec-*.csv"))}
         for v in sorted(dec_names - {"old", "new"}):
-            table(f"decode, {v}", dec_old, load(out, f"dec-{v}-*.csv"))
+            table(f"decode, {v}" + ("" if dec_old else " (old: the new build's defaults)"), dec_base,
+                  load(out, f"dec-{v}-*.csv"))
     peers_path = os.path.join(out, "peers.csv")
     if not os.path.exists(peers_path):
         return

@@ -10,6 +10,8 @@
 #
 # Here:   rm -rf .ab-old && mkdir .ab-old && git archive HEAD | tar x -C .ab-old
 # There:  run with carry [".devdeps", ".ab-old"] and the command `bash tests/cuda/ab_gpu.sh`
+# Settings of one build only (DEC_VARIANTS, PRE_VARIANTS, VARIANTS against its defaults):
+#         `bash tests/cuda/ab_gpu.sh none` builds no old tree; the tables' base is the new build.
 #
 # Environment (defaults in brackets):
 #   ROUNDS [2]        interleaved rounds of every prefill case
@@ -31,14 +33,16 @@
 #   VBUILDS []        "name:flags ...": more builds of this tree, each with its CMAKE_CUDA_FLAGS
 #                     (several flags joined by +), timed as VFLAGS's is under their names, e.g.
 #                     "defer:-DDA_EXP_DEFER nowrite:-DDA_EXP_NOWRITE" (VFLAGS=f is "var:f")
-#   CTEST [1]         1: the gpu-labelled tests on the new build
+#   CTEST [1]         1: the gpu-labelled tests on the new build; quick: all but the MMA
+#                     instruction-bit tests (cuda_mma_bits, cuda_wgmma: 50 s of the 130), for
+#                     changes to the planner, the combine or the host
 #   PEERS [0]         1: PyTorch SDPA prefill peers, ratios for old and new
 # Results: $OUT/summary.txt (printed), every csv and log in $OUT/all.tgz.
 set -u
 OLD=${1:-.ab-old}
 OUT=${OUT:-/tmp/detattn-ab}
 mkdir -p "$OUT"
-[ -f "$OLD/CMakeLists.txt" ] || { echo "ab_gpu: no source tree at $OLD" >&2; exit 2; }
+[ "$OLD" = none ] || [ -f "$OLD/CMakeLists.txt" ] || { echo "ab_gpu: no source tree at $OLD" >&2; exit 2; }
 eval "$(bash .devdeps/unpack.sh)"
 sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/summary.txt"
@@ -49,10 +53,12 @@ configure() { # source, build dir, name, extra cmake arguments
     > "$OUT/cfg-$3.log" 2>&1 || { tail -20 "$OUT/cfg-$3.log"; exit 1; }
 }
 configure . build-gpu new
-configure "$OLD" build-ab-old old
 pids=()
-(cmake --build build-ab-old --target detattn-bench -j4 > "$OUT/build-old.log" 2>&1) &
-pids+=($!)
+if [ "$OLD" != none ]; then
+  configure "$OLD" build-ab-old old
+  (cmake --build build-ab-old --target detattn-bench -j4 > "$OUT/build-old.log" 2>&1) &
+  pids+=($!)
+fi
 VB="${VBUILDS:-}"
 [ -n "${VFLAGS:-}" ] && VB="var:$(tr ' ' + <<< "$VFLAGS") $VB"
 for vb in $VB; do # name:flags
@@ -66,10 +72,11 @@ stamp built
 
 NEW="build-gpu/bin/detattn-bench --backend cuda"
 OLDB="build-ab-old/bin/detattn-bench --backend cuda"
+[ "$OLD" = none ] && OLDB=: # no old tree: its rounds do nothing
 for r in $(seq 1 "${ROUNDS:-2}"); do
   [ "${PREFILL:-1}" = 1 ] || break
   for S in ${SPLITS:-512 2048}; do
-    $OLDB --prefill-only --split "$S" > "$OUT/pre-old-$S-$r.csv" 2>> "$OUT/bench.err"
+    [ "$OLD" = none ] || $OLDB --prefill-only --split "$S" > "$OUT/pre-old-$S-$r.csv" 2>> "$OUT/bench.err"
     $NEW --prefill-only --split "$S" > "$OUT/pre-new-$S-$r.csv" 2>> "$OUT/bench.err"
     for vb in $VB; do
       "build-ab-${vb%%:*}/bin/detattn-bench" --backend cuda --prefill-only --split "$S" \
@@ -83,14 +90,16 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     done
   done
   for bl in ${EXTRA:-}; do
-    $OLDB --one-prefill "${bl%x*}" "${bl#*x}" > "$OUT/pre-old-x$bl-$r.csv" 2>> "$OUT/bench.err"
+    [ "$OLD" = none ] || $OLDB --one-prefill "${bl%x*}" "${bl#*x}" > "$OUT/pre-old-x$bl-$r.csv" 2>> "$OUT/bench.err"
     $NEW --one-prefill "${bl%x*}" "${bl#*x}" > "$OUT/pre-new-x$bl-$r.csv" 2>> "$OUT/bench.err"
   done
 done
 stamp prefill rounds
-# dec CSV COMMAND...: the decode rows at split S of one build into CSV (one header).
+# dec CSV COMMAND...: the decode rows at split S of one build into CSV (one header). Shapes
+# without bench arguments of their own run in one process (up to 8 --one-decode cases), the
+# others one process each.
 dec() {
-  local f=$1 b l
+  local f=$1 b l plain=()
   shift
   if [ -z "${DEC_SHAPES:-}" ]; then
     "$@" --decode-only --split "$S" > "$f" 2>> "$OUT/bench.err"
@@ -98,18 +107,25 @@ dec() {
   fi
   : > "$f"
   while read -r b l rest; do
-    [ -n "$b" ] || continue
+    [ -n "$b" ] && [ -z "$rest" ] && plain+=(--one-decode "$b" "$l")
+    if [ ${#plain[@]} -eq 24 ] || { [ -z "$b" ] && [ ${#plain[@]} -gt 0 ]; }; then
+      "$@" "${plain[@]}" --split "$S" 2>> "$OUT/bench.err" > "$f.one"
+      if [ -s "$f" ]; then tail -n +2 "$f.one" >> "$f"; else cat "$f.one" > "$f"; fi
+      plain=()
+    fi
+    [ -n "$b" ] && [ -n "$rest" ] || continue
     # More bench arguments after B L (e.g. --contiguous --page 64) name the row's kind.
     "$@" --one-decode "$b" "$l" --split "$S" $rest 2>> "$OUT/bench.err" |
       awk -F, -v OFS=, -v tag="$(tr -d ' ' <<< "$rest")" 'NR > 1 && tag != "" { $1 = $1 tag } 1' > "$f.one"
     if [ -s "$f" ]; then tail -n +2 "$f.one" >> "$f"; else cat "$f.one" > "$f"; fi
-  done <<< "$(tr , '\n' <<< "$DEC_SHAPES")"
+  done <<< "$(tr , '\n' <<< "$DEC_SHAPES")
+" # the empty last line runs the plain shapes left
   rm -f "$f.one"
 }
 if [ "${DECODE:-0}" = 1 ]; then
   for r in $(seq 1 "${ROUNDS:-2}"); do
     for S in ${DEC_SPLITS:-512}; do
-      dec "$OUT/dec-old-$S-$r.csv" $OLDB
+      [ "$OLD" = none ] || dec "$OUT/dec-old-$S-$r.csv" $OLDB
       dec "$OUT/dec-new-$S-$r.csv" $NEW
       for vb in $VB; do
         dec "$OUT/dec-${vb%%:*}-$S-$r.csv" "build-ab-${vb%%:*}/bin/detattn-bench" --backend cuda
@@ -121,8 +137,9 @@ if [ "${DECODE:-0}" = 1 ]; then
   done
   stamp decode rounds
 fi
-if [ "${CTEST:-1}" = 1 ]; then
-  timeout 300 ctest --test-dir build-gpu -L gpu --timeout 240 --output-on-failure > "$OUT/ctest.log" 2>&1
+if [ "${CTEST:-1}" = 1 ] || [ "${CTEST:-1}" = quick ]; then
+  skip=(); [ "${CTEST:-1}" = quick ] && skip=(-E "cuda_mma_bits|cuda_wgmma")
+  timeout 300 ctest --test-dir build-gpu -L gpu "${skip[@]}" --timeout 240 --output-on-failure > "$OUT/ctest.log" 2>&1
   grep -E "tests passed|tests failed|\*\*\*Failed" "$OUT/ctest.log" | tail -12 | tee -a "$OUT/summary.txt"
   stamp ctest
 fi
