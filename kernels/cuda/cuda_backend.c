@@ -642,7 +642,7 @@ typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
   int per; /* splits per partial item */
-  int per_tail; /* c->per_tail where this launch takes DA_CU_PART_PER tails (decode by ticket), else 0 */
+  int per_tail; /* the DA_CU_PART_PER tail setting of this launch (da_cu_per_tail; 0 where it takes none) */
   int tickets; /* prefill_sm90.cu's grid takes the items by ticket (else round-robin) */
   int max_splits; /* the most splits of a partial attention's rows */
   int pipes; /* prefill_sm90.cu pipes per CTA (DA_CU_SM90_N_PIPES for decode-only batches, else 1) */
