@@ -739,13 +739,13 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   /* prefill_sm90.cu's persistent grid (not one CTA per item) by ticket or round-robin. */
   pl->tickets = c->sm90_prefill && c->sm90_grid >= 0 &&
                 (c->deal == DEAL_TICKETS || (c->deal == DEAL_TICKETS_INROW && pl->partial_rows == 0));
-  /* One-split tails of partial blocks: where tickets hand them to the pipes free first */
   const int T = c->cfg.num.tile_tokens;
-  pl->per_tail = pl->tickets && c->sm90_decode && max_block_rows <= 16
-                     ? da_cu_per_tail(m, c->brows, S, T, b, pl->partial, c->per_tail, slots)
-                     : 0;
   int64_t n_part = 0;
-  pl->per = da_cu_partial_per(m, c->brows, S, T, b, pl->partial, pl->per_tail, slots, &n_part);
+  pl->per = da_cu_partial_per(m, c->brows, S, T, b, pl->partial, 0, slots, &n_part);
+  /* One-split tails of partial blocks: where tickets hand them to the pipes free first; the
+   * per then chosen again on the splits the tails leave */
+  pl->per_tail = pl->tickets && c->sm90_decode && max_block_rows <= 16 ? da_cu_per_tail(c->per_tail, pl->per) : 0;
+  if (pl->per_tail != 0) pl->per = da_cu_partial_per(m, c->brows, S, T, b, pl->partial, pl->per_tail, slots, &n_part);
   if (c->partial_per > 0 && n_part > 0) {
     pl->per = c->partial_per;
     n_part = da_cu_partial_items(m, c->brows, S, b, pl->partial, pl->per, pl->per_tail, NULL);

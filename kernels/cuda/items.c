@@ -68,12 +68,7 @@ int da_cu_tail_splits(int tail, int64_t n) {
   return k > 0 && n > 2 * k ? (int)k : 0;
 }
 
-int da_cu_per_tail(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
-                   int per_tail, int64_t slots) {
-  int64_t n;
-  if (per_tail >= 0) return per_tail;
-  return da_cu_partial_per(m, brows, S, T, b, partial, 0, slots, &n) >= 16 ? -1 : 0;
-}
+int da_cu_per_tail(int per_tail, int per0) { return per_tail >= 0 ? per_tail : per0 >= 16 ? -1 : 0; }
 
 int da_cu_block_tail(int kind, int prefix_tail, int per_tail, int64_t n) {
   return kind == DA_CU_INROW ? 0 : da_cu_tail_splits(kind == DA_CU_PART_TAIL ? prefix_tail : per_tail, n);

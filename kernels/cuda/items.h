@@ -58,10 +58,10 @@ int da_cu_partial_per(const da_model *m, int brows, int S, int T, const da_batch
 int da_cu_tail_splits(int tail, int64_t n);
 
 /* The DA_CU_PART_PER tail setting a decode launch by ticket takes: per_tail (DA_CUDA_PER_TAIL)
- * where it is >= 0, else the rule (-1) where the partial items without tails would be of 16
- * splits or more, 0 where shorter (B 1 L 64k: 4 splits an item, where tails cost 4-8 %). */
-int da_cu_per_tail(const da_model *m, int brows, int S, int T, const da_batch *b, const unsigned char *partial,
-                   int per_tail, int64_t slots);
+ * where it is >= 0, else the rule (-1) where the partial items without tails (per0 splits,
+ * da_cu_partial_per with no tail) are of 16 splits or more, 0 where shorter (B 1 L 64k: 4
+ * splits an item, where tails cost 4-12 %). */
+int da_cu_per_tail(int per_tail, int per0);
 
 /* The tail k of a block of n splits run as kind: da_cu_tail_splits of prefix_tail for
  * DA_CU_PART_TAIL, of per_tail for DA_CU_PART_PER, 0 in-row. */

@@ -162,9 +162,11 @@ START_TEST(partial_tails_by_rule_only_after_long_items) {
   for (int i = 0; i < 16; i++) attns[i] = (da_attn){.q_pos = 65535, .n_q = 1}, partial[i] = DA_CU_PART_PER;
   for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
     const da_batch b = {.attns = attns, .n_attns = cases[k].B};
-    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, -1, 2 * SLOTS), cases[k].want);
-    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, 0, 2 * SLOTS), 0);
-    ck_assert_int_eq(da_cu_per_tail(&model, 16, S, T, &b, partial, 3, 2 * SLOTS), 3);
+    int64_t n = 0;
+    const int per0 = da_cu_partial_per(&model, 16, S, T, &b, partial, 0, 2 * SLOTS, &n);
+    ck_assert_int_eq(da_cu_per_tail(-1, per0), cases[k].want);
+    ck_assert_int_eq(da_cu_per_tail(0, per0), 0);
+    ck_assert_int_eq(da_cu_per_tail(3, per0), 3);
   }
   /* B 8 with the rule's tail (16 of 128 splits): items of 28 splits (112 / 4), 64 x (4 + 16) */
   const da_batch b8 = {.attns = attns, .n_attns = 8};
