@@ -247,10 +247,9 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
  * (every lane the same chain, as the chain warp above). The same da_merge_weights_chain /
  * da_merge_finish / da_merge_o in the same order as combine_kernel, so the same bits; what
  * goes is that kernel's per-CTA set-up (mbarriers, a ring of 32 KB, one CTA a row), which
- * costs more than a row of one merge: B 1 / 8 L 1k (two splits) take 0.95x / 0.94x the step.
- * But here each split's loads sit in the chain (combine_kernel's chain warp runs a chunk
- * ahead of copies already landed): at 4 splits (B 8 L 2k) 1.03x, at 32 (B 1 L 16k) 1.15x; at
- * B 32-64 L 16k (a prefix fold and 4 tail splits) even (NOTES.md v5.23).
+ * costs more than a row of one merge: B 1 / 8 L 1k take 0.95x / 0.94x the step. The chain
+ * waits on no load (below): at 8 splits (B 1 L 4k) 0.96x, at 32 (B 1 L 16k) still 1.08x, as
+ * the CTA form's fold threads share the merges of each split's columns (NOTES.md v5.24).
  */
 constexpr int SHORT_WARPS = 4;
 
@@ -286,16 +285,41 @@ __global__ void __launch_bounds__(32 * SHORT_WARPS) combine_short_kernel(const d
   load_cols<V>(o, a.acc_o + r.first * D + col);
   float lse = a.acc_lse[r.first];
   const float *lse_j = a.acc_lse + r.next, *o_j = a.acc_o + r.next * D + col;
-#pragma unroll 4
-  for (int k = 0; k < r.n; k++) {
-    float x[V];
-    load_cols<V>(x, o_j + (int64_t)k * D);
-    const da_merge_w mw = da_merge_weights_chain(lse, lse_j[k]);
-    float wa, wb;
-    da_merge_finish(mw.a, mw.b, mw.s, wa, wb);
-    lse = mw.lse;
+  /* Nothing the chain waits for is loaded in it: lane k holds the lse of split c + k of the
+   * chunk of 32 splits from c (the next chunk's loaded a chunk ahead), taken by shuffle; the
+   * o_j go in groups of GR splits, a group ahead of their merges (two register buffers). */
+  constexpr int GR = 4;
+  float mine = lane < r.n ? lse_j[lane] : 0.0f, ahead = 32 + lane < r.n ? lse_j[32 + lane] : 0.0f;
+  float xa[GR][V], xb[GR][V];
+  auto load_group = [&](float (&x)[GR][V], int g) {
 #pragma unroll
-    for (int v = 0; v < V; v++) o[v] = da_merge_o(wa, wb, o[v], x[v]);
+    for (int i = 0; i < GR; i++)
+      if (g * GR + i < r.n) load_cols<V>(x[i], o_j + (int64_t)(g * GR + i) * D);
+  };
+  auto merge_group = [&](const float (&x)[GR][V], int g) {
+#pragma unroll
+    for (int i = 0; i < GR; i++) {
+      const int k = g * GR + i;
+      if (k >= r.n) break;
+      if (k % 32 == 0 && k > 0) { /* the next chunk (GR divides 32: only at i 0) */
+        mine = ahead;
+        ahead = k + 32 + lane < r.n ? lse_j[k + 32 + lane] : 0.0f;
+      }
+      const da_merge_w mw = da_merge_weights_chain(lse, __shfl_sync(0xffffffffu, mine, k % 32));
+      float wa, wb;
+      da_merge_finish(mw.a, mw.b, mw.s, wa, wb);
+      lse = mw.lse;
+#pragma unroll
+      for (int v = 0; v < V; v++) o[v] = da_merge_o(wa, wb, o[v], x[i][v]);
+    }
+  };
+  const int ng = (r.n + GR - 1) / GR;
+  load_group(xa, 0);
+  for (int g = 0; g < ng; g += 2) { /* warp-uniform: every lane runs every shuffle */
+    load_group(xb, g + 1);
+    merge_group(xa, g);
+    load_group(xa, g + 2);
+    merge_group(xb, g + 1);
   }
   /* pairs of outputs a 32-bit store (o_off, D and col are even) */
   uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)r.row * D + col);

@@ -39,10 +39,11 @@
 #define KERNEL_VERSION 5u
 #define DEFAULT_ACC_SLOTS (1 << 18)
 #define DEFAULT_STAGING (64u << 20)
-/* DA_CUDA_COMBINE_SHORT: rows of one merge (two splits). Same-call A/B on an H200 (NOTES.md
- * v5.23): B 1 / 8 L 1k 0.95x / 0.94x the step, but B 8 L 2k (4 splits) 1.03x and B 1 L 16k
- * 1.15x: a warp's chain waits on each split's loads where combine_kernel's ran ahead. */
-#define DEFAULT_COMBINE_SHORT 2
+/* DA_CUDA_COMBINE_SHORT: rows of up to 8 splits. Same-call A/B on an H200 (NOTES.md v5.24,
+ * the warp form with its loads ahead of the chain): B 1 L 4k (8 splits) 0.96x the step, B 1 /
+ * 8 L 1k as before (0.95x / 0.94x of the CTA form), B 8 L 2k even; at 32 splits the CTA form
+ * is still ahead (B 1 L 16k 1.08x, B 8 L 16k 1.02x with the warp form). */
+#define DEFAULT_COMBINE_SHORT 8
 #define ALIGN 256
 
 typedef struct cuda_ctx {
