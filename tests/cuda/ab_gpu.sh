@@ -49,6 +49,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*" | tee -a "$OUT/summary.txt"; }
 configure() { # source, build dir, name, extra cmake arguments
+  bash tests/cuda/stale_build.sh "$1" "$2" # a warm machine's build dir of another tree: from clean
   cmake -S "$1" -B "$2" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release "${@:4}" \
     > "$OUT/cfg-$3.log" 2>&1 || { tail -20 "$OUT/cfg-$3.log"; exit 1; }
 }

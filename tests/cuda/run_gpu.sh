@@ -50,6 +50,7 @@ eval "$(bash .devdeps/unpack.sh)"
 sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 if [ "$what" = trace ]; then
+  bash tests/cuda/stale_build.sh . build-trace
   cmake -S . -B build-trace -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CUDA_FLAGS=-DDA_CUDA_TRACE > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   cmake --build build-trace --target detattn-bench -j16 > "$OUT/build.log" 2>&1 || { grep -E "error|FAILED" -A3 "$OUT/build.log" | head -20; exit 1; }
@@ -75,6 +76,7 @@ if [ "$what" = trace ]; then
   fi
   exit 0
 fi
+bash tests/cuda/stale_build.sh . build-gpu # a warm machine's build dir of another tree: from clean
 rm -f build-gpu/CMakeCache.txt
 cmake -S . -B build-gpu -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
