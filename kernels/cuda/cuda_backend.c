@@ -332,10 +332,11 @@ static int prefix_env(int *on, char *err, size_t errlen) {
   return env_pick("DA_CUDA_PREFIX", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
 }
 
-/* An integer experiment setting var in [lo, hi]; unset or empty: 0. what names it in the error. */
-static int int_env(const char *var, int lo, int hi, const char *what, int *out, char *err, size_t errlen) {
+/* An integer setting var in [lo, hi]; unset or empty: unset. what names it in the error. */
+static int int_env(const char *var, int lo, int hi, int unset, const char *what, int *out, char *err,
+                   size_t errlen) {
   const char *env = getenv(var);
-  *out = 0;
+  *out = unset;
   if (env == NULL || env[0] == '\0') return 0;
   char *end = NULL;
   const long v = strtol(env, &end, 10);
@@ -352,33 +353,25 @@ static int int_env(const char *var, int lo, int hi, const char *what, int *out, 
  * that can run so. The bits never depend on them. */
 static int tail_env(const char *var, int *tail, char *err, size_t errlen) {
   const char *env = getenv(var);
-  if (env == NULL || env[0] == '\0') {
-    *tail = -1;
-    return 0;
-  }
-  if (strcmp(env, "0") == 0) {
+  if (env != NULL && strcmp(env, "0") == 0) {
     *tail = 0;
     return 0;
   }
-  return int_env(var, 1, 64, "tail splits (0 none)", tail, err, errlen);
+  return int_env(var, 1, 64, -1, "tail splits (0 none)", tail, err, errlen);
 }
 
 /* DA_CUDA_COMBINE_SHORT: launches whose partial rows have at most k splits (0 to 4096; 0 never)
  * are combined a warp a row (combine.cu's short form) instead of a CTA a row; unset or empty,
  * DEFAULT_COMBINE_SHORT. The bits never depend on it. */
 static int combine_short_env(int *k, char *err, size_t errlen) {
-  const char *env = getenv("DA_CUDA_COMBINE_SHORT");
-  if (env == NULL || env[0] == '\0') {
-    *k = DEFAULT_COMBINE_SHORT;
-    return 0;
-  }
-  return int_env("DA_CUDA_COMBINE_SHORT", 0, 4096, "the most splits of a row combined a warp a row", k, err, errlen);
+  return int_env("DA_CUDA_COMBINE_SHORT", 0, 4096, DEFAULT_COMBINE_SHORT,
+                 "the most splits of a row combined a warp a row", k, err, errlen);
 }
 
 /* DA_CUDA_PARTIAL_PER (experiments): splits per partial work item, 1 to 64; unset or empty:
  * 0, the planner's choice. The bits never depend on it. */
 static int partial_per_env(int *per, char *err, size_t errlen) {
-  return int_env("DA_CUDA_PARTIAL_PER", 1, 64, "splits per partial work item", per, err, errlen);
+  return int_env("DA_CUDA_PARTIAL_PER", 1, 64, 0, "splits per partial work item", per, err, errlen);
 }
 
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
