@@ -5,7 +5,8 @@ the shapes of `detattn-bench --backend cuda`, checks whether each peer is
 batch-invariant on them (a row computed alone vs inside the batch, bitwise), and prints a
 side-by-side table with detattn's numbers when given --ours (the CSV the bench printed).
 
-Usage: python3 clients/bench/sdpa_peer.py [--quick] [--prefill-only] [--ours ours.csv] [--csv peers.csv]
+Usage: python3 clients/bench/sdpa_peer.py [--quick] [--prefill-only] [--one-decode B L]...
+  [--peer flash|cudnn] [--ours ours.csv] [--csv peers.csv]
 """
 import argparse
 import csv
@@ -124,8 +125,9 @@ def main():
     ap.add_argument("--prefill-only", action="store_true", help="time the prefill shapes only")
     ap.add_argument("--ours", help="CSV printed by detattn-bench --backend cuda")
     ap.add_argument("--csv", help="write the peer rows here")
-    ap.add_argument("--one-decode", nargs=2, type=int, metavar=("B", "L"),
-                    help="time this decode shape only (e.g. under ncu: run_gpu.sh profile-peer)")
+    ap.add_argument("--one-decode", nargs=2, type=int, metavar=("B", "L"), action="append",
+                    help="time this decode shape only (repeatable; e.g. under ncu: run_gpu.sh "
+                         "profile-peer)")
     ap.add_argument("--peer", choices=list(PEERS), help="time this peer only")
     args = ap.parse_args()
     chosen = {args.peer: PEERS[args.peer]} if args.peer else PEERS
@@ -135,7 +137,7 @@ def main():
     rows = []
     todo = cases(args.quick, args.prefill_only)
     if args.one_decode:
-        todo = [("decode", args.one_decode[0], args.one_decode[1], 32, 8, 128, False, 1)]
+        todo = [("decode", b, length, 32, 8, 128, False, 1) for b, length in args.one_decode]
     for kind, b, length, hq, hkv, d, causal, nq in todo:
         kv_bytes = b * length * hkv * d * 2 * 2
         if 2.5 * kv_bytes > free:

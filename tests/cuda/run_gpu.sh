@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
-# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|profile|profile-peer|profile-pages|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
+# Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|configs|profile|profile-peer|profile-pages|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
 # SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
 # bench with 128-key tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
@@ -19,6 +19,10 @@
 # pages: one decode step of each "B:L" in PAGE_SHAPES (8:16384 8:65536 32:16384 32:65536) on
 # shuffled pages, pages in order (--contiguous) and interleaved (--interleaved), two rounds
 # each, then cuDNN's (sdpa_peer.py, contiguous K/V); a table of ms and x cuDNN.
+# configs: the decode shapes of CFG_SHAPES ("B:L ...", at most 8) at each split size and page
+# size of CFGS ("S:page ...", default S 512 / 1024 / 2048 at pages of 16 and 256 tokens), two
+# rounds each, against cuDNN and flash (sdpa_peer.py, contiguous K/V); a table of ms and ratios
+# (tests/cuda/config_table.py).
 # pagesize: one decode step of each "B:L" in PAGE_SHAPES at each KV page size of PAGE_SIZES
 # (--page: 8 16 32 64 256 tokens), shuffled and in order, two rounds each, against cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
@@ -176,6 +180,24 @@ if [ "$what" != tests ]; then
         echo "$row ${c:--} | $(over "${c:-nan}" $best) |"
       done
     done
+    exit 0
+  fi
+  if [ "$what" = configs ]; then # the decode shapes of CFG_SHAPES at each S:page of CFGS, against the peers
+    shapes=${CFG_SHAPES:-1:1024 1:65536 8:4096 8:16384 8:65536 32:16384 32:65536 64:65536}
+    one=""; for sh in $shapes; do one="$one --one-decode ${sh%:*} ${sh#*:}"; done
+    python3 clients/bench/sdpa_peer.py $one --csv "$OUT/cfg-peers.csv" > /dev/null 2> "$OUT/cfg-peers.err" ||
+      { tail -5 "$OUT/cfg-peers.err"; exit 1; }
+    args=()
+    for cfg in ${CFGS:-512:16 1024:16 2048:16 512:256 1024:256 2048:256}; do
+      s=${cfg%:*} pg=${cfg#*:} files=""
+      for r in 1 2; do # two rounds, each shape in one process, in the order given
+        f="$OUT/cfg-$s-$pg-$r.csv"
+        $BENCH $one --split "$s" --page "$pg" > "$f" 2>> "$OUT/cfg.err" || { tail -5 "$OUT/cfg.err"; exit 1; }
+        files="$files${files:+,}$f"
+      done
+      args+=("$cfg=$files")
+    done
+    python3 tests/cuda/config_table.py "$OUT/cfg-peers.csv" "${args[@]}" | tee "$OUT/configs.md"
     exit 0
   fi
   if [ "$what" = profile-prefill ]; then
