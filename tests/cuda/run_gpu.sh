@@ -22,7 +22,7 @@
 # configs: the decode shapes of CFG_SHAPES ("B:L ...", at most 8) at each split size and page
 # size of CFGS ("S:page ...", default S 512 / 1024 / 2048 at pages of 16 and 256 tokens), two
 # rounds each, against cuDNN and flash (sdpa_peer.py, contiguous K/V); a table of ms and ratios
-# (tests/cuda/config_table.py).
+# (tests/cuda/config_table.py); CFG_PREFILL=1: the bench's causal prefill rows too, one round.
 # pagesize: one decode step of each "B:L" in PAGE_SHAPES at each KV page size of PAGE_SIZES
 # (--page: 8 16 32 64 256 tokens), shuffled and in order, two rounds each, against cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
@@ -185,19 +185,30 @@ if [ "$what" != tests ]; then
   if [ "$what" = configs ]; then # the decode shapes of CFG_SHAPES at each S:page of CFGS, against the peers
     shapes=${CFG_SHAPES:-1:1024 1:65536 8:4096 8:16384 8:65536 32:16384 32:65536 64:65536}
     one=""; for sh in $shapes; do one="$one --one-decode ${sh%:*} ${sh#*:}"; done
-    python3 clients/bench/sdpa_peer.py $one --csv "$OUT/cfg-peers.csv" > /dev/null 2> "$OUT/cfg-peers.err" ||
-      { tail -5 "$OUT/cfg-peers.err"; exit 1; }
+    d="$OUT/cfg"; mkdir -p "$d"
+    python3 clients/bench/sdpa_peer.py $one --csv "$d/peers.csv" > /dev/null 2> "$d/peers.err" ||
+      { tail -5 "$d/peers.err"; exit 1; }
+    if [ -n "${CFG_PREFILL:-}" ]; then # the bench's causal prefill rows too (ours at each S:page)
+      python3 clients/bench/sdpa_peer.py --prefill-only --csv "$d/peers-prefill.csv" > /dev/null 2>> "$d/peers.err" ||
+        { tail -5 "$d/peers.err"; exit 1; }
+    fi
     args=()
     for cfg in ${CFGS:-512:16 1024:16 2048:16 512:256 1024:256 2048:256}; do
       s=${cfg%:*} pg=${cfg#*:} files=""
       for r in 1 2; do # two rounds, each shape in one process, in the order given
-        f="$OUT/cfg-$s-$pg-$r.csv"
-        $BENCH $one --split "$s" --page "$pg" > "$f" 2>> "$OUT/cfg.err" || { tail -5 "$OUT/cfg.err"; exit 1; }
+        f="$d/$s-$pg-$r.csv"
+        $BENCH $one --split "$s" --page "$pg" > "$f" 2>> "$d/bench.err" || { tail -5 "$d/bench.err"; exit 1; }
         files="$files${files:+,}$f"
       done
+      if [ -n "${CFG_PREFILL:-}" ]; then
+        f="$d/$s-$pg-prefill.csv"
+        $BENCH --prefill-only --split "$s" --page "$pg" > "$f" 2>> "$d/bench.err" || { tail -5 "$d/bench.err"; exit 1; }
+        files="$files,$f"
+      fi
       args+=("$cfg=$files")
     done
-    python3 tests/cuda/config_table.py "$OUT/cfg-peers.csv" "${args[@]}" | tee "$OUT/configs.md"
+    python3 tests/cuda/config_table.py "$d"/peers*.csv -- "${args[@]}" | tee "$OUT/configs.md"
+    tar czf "$OUT/cfg.tgz" -C "$OUT" cfg && rm -rf "$d" # one file back, not one a run
     exit 0
   fi
   if [ "$what" = profile-prefill ]; then
