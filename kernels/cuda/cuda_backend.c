@@ -747,7 +747,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   pl->n_items += n_part + n_tail;
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
-    if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P);
+    if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P) - a->pos / P;
     pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
     if (a->n_tokens > pl->max_append_tokens) pl->max_append_tokens = a->n_tokens;
     if (!a->dev && a->n_tokens > 0) pl->host_in = 1;
@@ -883,9 +883,13 @@ static void pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned
     ap->layer = a->layer, ap->pos = a->pos, ap->n_tokens = a->n_tokens;
     ap->pt_off = pt;
     if (a->n_tokens > 0) {
-      const int64_t np = ceil_div((int64_t)a->pos + a->n_tokens, P);
-      for (int64_t k = 0; k < np; k++) pts[pt + k] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
-      pt += np;
+      /* Only the pages the append writes, from the one holding pos: the kernel indexes the
+       * table by pos / P from pt_off, which so points p0 entries before them (a decode step's
+       * append packs one page id, not the sequence's whole table). */
+      const int64_t p0 = a->pos / P, np = ceil_div((int64_t)a->pos + a->n_tokens, P);
+      for (int64_t k = p0; k < np; k++) pts[pt + k - p0] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
+      ap->pt_off = pt - p0;
+      pt += np - p0;
       if (a->dev) {
         gs[n_gs++] = (da_cu_seg){a->k, d + pl->off_kvin + (size_t)kvo * 2, el * 2};
         gs[n_gs++] = (da_cu_seg){a->v, d + pl->off_kvin + (size_t)(kvo + el) * 2, el * 2};

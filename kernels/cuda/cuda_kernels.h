@@ -60,7 +60,8 @@ typedef struct da_cu_citem {
 /* One append: n_tokens tokens at [pos, pos + n_tokens) of layer. */
 typedef struct da_cu_append {
   int32_t layer, pos, n_tokens, pad_;
-  int64_t pt_off; /* page table in da_cu_args.pages */
+  int64_t pt_off; /* position pos's page id at da_cu_args.pages[pt_off + pos / page_tokens];
+                   * only the appended pages are packed, so pt_off may be negative */
   int64_t k_off;  /* k: [n_tokens][n_kv_heads][head_dim] at kvin + k_off; v at kvin + v_off */
   int64_t v_off;
 } da_cu_append;
