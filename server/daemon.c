@@ -65,6 +65,7 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
   for (int op = 0; op < DA_OP_COUNT; op++) da_metrics_hist_fill(&s->op_seconds[op], &d->op_ns[op], DA_METRICS_TIME);
   da_metrics_hist_fill(&s->queue_seconds, &d->queue_ns, DA_METRICS_TIME);
   da_metrics_hist_fill(&s->batch_run_seconds, &d->batch_run_ns, DA_METRICS_TIME);
+  da_metrics_hist_fill(&s->batch_submit_seconds, &d->batch_submit_ns, DA_METRICS_TIME);
   da_metrics_hist_fill(&s->cuda_event_wait_seconds, &d->cuda_wait_ns, DA_METRICS_TIME);
   da_metrics_hist_fill(&s->batch_tokens, &d->batch_tokens, DA_METRICS_SIZE);
   da_metrics_hist_fill(&s->batch_requests, &d->batch_requests, DA_METRICS_SIZE);
@@ -559,9 +560,10 @@ static void on_batch_done(uv_async_t *h) {
   void *tag;
   int status, n = 0;
   da_batch_result res;
-  uint64_t run_ns;
-  while (da_worker_take(d->worker, &tag, &status, &res, &run_ns)) {
+  uint64_t run_ns, submit_ns;
+  while (da_worker_take(d->worker, &tag, &status, &res, &run_ns, &submit_ns)) {
     da_hist_record(&d->batch_run_ns, run_ns);
+    da_hist_record(&d->batch_submit_ns, submit_ns);
     batch_done(d, tag, status, &res);
     n++;
   }

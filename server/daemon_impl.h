@@ -151,7 +151,7 @@ typedef struct da_daemon {
   /* stats (histograms: kernels/hist.h; times in ns) */
   uint64_t requests, errors, forward_tokens, batches, inrow_rows, partial_rows;
   uint64_t op_ok[DA_OP_COUNT], op_errors[DA_OP_COUNT];
-  da_hist batch_tokens, batch_requests, queue_ns, batch_run_ns, cuda_wait_ns;
+  da_hist batch_tokens, batch_requests, queue_ns, batch_run_ns, batch_submit_ns, cuda_wait_ns;
   da_hist op_ns[DA_OP_COUNT]; /* receipt to reply, per op */
   /* metrics (metrics.h, served by http.h) */
   da_http *http;

@@ -143,6 +143,10 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
   hist(&b, "detattn_queue_seconds", "", &s->queue_seconds);
   head(&b, "detattn_batch_run_seconds", "histogram", "Time a batch spends in the backend (staging, kernels, copy-back).");
   hist(&b, "detattn_batch_run_seconds", "", &s->batch_run_seconds);
+  head(&b, "detattn_batch_submit_seconds", "histogram",
+       "Of a batch's run, the time in the backend's submit: a device backend's host staging (validation, "
+       "packing, copies queued) and kernel launches; near zero where the backend runs batches in finish (CPU).");
+  hist(&b, "detattn_batch_submit_seconds", "", &s->batch_submit_seconds);
   head(&b, "detattn_cuda_event_wait_seconds", "histogram",
        "cuda plane: time from a Forward's receipt until its client's inputs-ready event had completed.");
   hist(&b, "detattn_cuda_event_wait_seconds", "", &s->cuda_event_wait_seconds);

@@ -61,6 +61,7 @@ typedef struct da_metrics_snapshot {
   da_metrics_hist op_seconds[DA_OP_COUNT]; /* receipt to reply */
   da_metrics_hist queue_seconds;           /* admission to the batch that appends it */
   da_metrics_hist batch_run_seconds;       /* a batch in the backend */
+  da_metrics_hist batch_submit_seconds;    /* of it, the backend's submit (host staging, launches) */
   da_metrics_hist cuda_event_wait_seconds; /* cuda plane: receipt until the wait_event completed */
   da_metrics_hist batch_tokens, batch_requests;
   uint64_t batches, forward_tokens, inrow_rows, partial_rows;

@@ -21,6 +21,7 @@ typedef struct slot {
   int status;
   da_batch_result res;
   uint64_t t0, run_ns;
+  uint64_t submit_ns; /* of run_ns, the time in da_backend_submit */
 } slot;
 
 struct da_worker {
@@ -75,12 +76,14 @@ static void do_submit(da_worker *w, slot *s) {
   } else {
     status = da_backend_submit(w->be, b, w->polls ? NULL : on_ready, w, &res);
   }
+  const uint64_t t1 = da_now_ns();
   pthread_mutex_lock(&w->mu);
   s->t0 = t0;
+  s->submit_ns = t1 - t0;
   if (status != 0) {
     s->status = status;
     s->res = res;
-    s->run_ns = da_now_ns() - t0;
+    s->run_ns = t1 - t0;
     s->state = DONE;
     pthread_mutex_unlock(&w->mu);
     w->done(w->arg);
@@ -281,7 +284,8 @@ void da_worker_submit(da_worker *w, const da_batch *b, void *tag) {
   pthread_mutex_unlock(&w->mu);
 }
 
-int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns) {
+int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns,
+                   uint64_t *submit_ns) {
   pthread_mutex_lock(&w->mu);
   slot *s = at(w, 0);
   int done = w->n > 0 && s->state == DONE;
@@ -290,6 +294,7 @@ int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, 
     *status = s->status;
     *res = s->res;
     *run_ns = s->run_ns;
+    *submit_ns = s->submit_ns;
     s->state = FREE;
     s->batch = NULL;
     w->head = (w->head + 1) % DA_WORKER_MAX;

@@ -45,9 +45,11 @@ int da_worker_busy(const da_worker *w);
  * points to must stay valid until da_worker_take returns it. */
 void da_worker_submit(da_worker *w, const da_batch *b, void *tag);
 /* If the oldest batch handed over has finished, returns 1 and its tag, its status (that of
- * da_backend_submit if it failed, else of da_backend_finish), its result and the time from
- * its submit to the end of its finish. Returns 0 if it is still running or nothing was
- * handed over. */
-int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns);
+ * da_backend_submit if it failed, else of da_backend_finish), its result, the time from its
+ * submit to the end of its finish and, of that, the time da_backend_submit took (a device
+ * backend's host staging and launches; next to nothing where the backend runs batches in
+ * finish). Returns 0 if it is still running or nothing was handed over. */
+int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns,
+                   uint64_t *submit_ns);
 
 #endif /* DA_WORKER_H */

@@ -2,7 +2,8 @@
 # Where a per-layer decode call's microseconds go, per data plane: detattn-step-bench's layer
 # call (client side: the whole call, and the part spent building and sending it) next to the
 # daemon's own view from /metrics (receipt to reply of a Forward, admission to its batch,
-# the batch in the backend, and for the cuda plane the wait for the client's ready event).
+# the batch in the backend and of that the backend's submit: host staging and launches, and
+# for the cuda plane the wait for the client's ready event).
 # What neither side sees is the transport: nng (or the doorbell) and thread wake-ups.
 # Usage: bash clients/stepbench/gpu_breakdown.sh [BUILD_DIR]   (on the GPU machine; $OUT)
 # Environment: B (1), L (1024), PLANES ("shm cuda"), STEPS (200), BACKEND (cuda), EXTRA_DAEMON_FLAGS,
@@ -17,8 +18,8 @@ STEPS=${STEPS:-200}
 mkdir -p "$OUT"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-printf "| plane | B | L | layer call p50 us | of it sending | daemon receipt to reply | queue | batch run | event wait | transport and wake-ups |\n"
-printf "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+printf "| plane | B | L | layer call p50 us | of it sending | daemon receipt to reply | queue | batch run | of it submit | event wait | transport and wake-ups |\n"
+printf "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
 for plane in $PLANES; do
   log="$OUT/breakdown-daemon-$plane.log"
   # shellcheck disable=SC2086
@@ -55,8 +56,9 @@ def p50(name):
         lo, prev = le, c
 fw = p50('detattn_request_duration_seconds{op="forward"}')
 q, run, ev = p50("detattn_queue_seconds"), p50("detattn_batch_run_seconds"), p50("detattn_cuda_event_wait_seconds")
+sub = p50("detattn_batch_submit_seconds")
 call = j["layer_call_us_p50"]
 f = lambda x: "-" if x is None else f"{x:.0f}"
-print(f"| {plane} | {B} | {L} | {call:.0f} | {f(j.get('call_start_us_p50'))} | {f(fw)} | {f(q)} | {f(run)} | {f(ev)} | {f(call - fw if fw else None)} |")
+print(f"| {plane} | {B} | {L} | {call:.0f} | {f(j.get('call_start_us_p50'))} | {f(fw)} | {f(q)} | {f(run)} | {f(sub)} | {f(ev)} | {f(call - fw if fw else None)} |")
 PY
 done

@@ -190,6 +190,9 @@ START_TEST(test_metrics) {
   ck_assert_msg(batches >= 1 && batches <= t.forwards_ok, "batches %g for %d forwards", batches, t.forwards_ok);
   assert_metric(page, "detattn_batch_tokens_count", batches);
   assert_metric(page, "detattn_batch_run_seconds_count", batches);
+  /* Each batch's submit is part of its run (the CPU backend computes in finish). */
+  assert_metric(page, "detattn_batch_submit_seconds_count", batches);
+  ck_assert(ops_metric(page, "detattn_batch_submit_seconds_sum") <= ops_metric(page, "detattn_batch_run_seconds_sum"));
   ck_assert(ops_metric(page, "detattn_queue_seconds_count") >= t.forwards_ok);
   double busy = ops_metric(page, "detattn_device_busy_seconds_total");
   ck_assert_msg(busy > 0 && busy <= ops_metric(page, "detattn_batch_run_seconds_sum") + 1.0, "busy %g", busy);
