@@ -24,8 +24,13 @@ class Times(dict):
 
 def load(out, pattern):
     """The fixed-split rows of the matching csv files (one per round)."""
+    return load_paths(sorted(glob.glob(os.path.join(out, pattern))))
+
+
+def load_paths(paths):
+    """The fixed-split rows of these bench csv files (rounds, or several cases' runs)."""
     rows = collections.defaultdict(list)
-    for path in sorted(glob.glob(os.path.join(out, pattern))):
+    for path in paths:
         for r in csv.DictReader(open(path)):
             if not r.get("mode", "").startswith("fixedS"):
                 continue

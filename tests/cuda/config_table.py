@@ -11,6 +11,8 @@ PEERS_CSV: sdpa_peer.py --csv; OURS_CSV: detattn-bench --backend cuda rows.
 import csv
 import sys
 
+from ab_compare import load_paths  # this directory (the script's) is on sys.path
+
 
 def case(r):
     """A row's case: (kind, B, L, d), decode rows at any causal (one query sees every key),
@@ -18,20 +20,6 @@ def case(r):
     if r["kind"] == "prefill" and r["causal"] != "1":
         return None
     return (r["kind"], int(r["B"]), int(r["L"]), int(r["d"]))
-
-
-def best_ms(paths):
-    """case -> the least fixedS ms over the given bench CSVs."""
-    best = {}
-    for path in paths:
-        with open(path) as f:
-            for r in csv.DictReader(f):
-                key = case(r)
-                if key is None or not r["mode"].startswith("fixedS") or not r["ms"]:
-                    continue
-                ms = float(r["ms"])
-                best[key] = min(ms, best.get(key, ms))
-    return best
 
 
 def table(peer_paths, cfg_args):
@@ -46,7 +34,8 @@ def table(peer_paths, cfg_args):
     cfgs = []
     for arg in cfg_args:
         label, _, paths = arg.partition("=")
-        cfgs.append((label, best_ms(paths.split(","))))
+        # (kind, B, L, d, S) -> least ms over the rounds (ab_compare.py's loader); S is the label's
+        cfgs.append((label, {k[:4]: ms for k, ms in load_paths(paths.split(",")).items()}))
     ours = {k for _, b in cfgs for k in b}
     lines = ["| case | cuDNN ms | flash ms | " + " | ".join(f"S:page {c}" for c, _ in cfgs) + " |",
              "|---" * (3 + len(cfgs)) + "|"]
