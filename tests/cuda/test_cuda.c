@@ -536,6 +536,24 @@ START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
   da_batch b2 = {.attns = &at, .n_attns = 1};
   run_ok(be, &b2, &res);
   assert_same(o1, o2, no * 2, "after rejected batch");
+  /* The same append with good pages, and a second attention whose table has one id past the
+   * pool (its last page: checked as it is packed, not in validate): refused, appends nothing. */
+  int32_t *badt = malloc(sizeof(int32_t) * (size_t)s.n_pages);
+  memcpy(badt, s.pages, sizeof(int32_t) * (size_t)s.n_pages);
+  const int last = (n - 1) / c->P;
+  badt[last] = pool_pages + 7;
+  da_attn at3[2] = {mk_attn(c, &s, 0, 0, n, o2, NULL), mk_attn(c, &s, 0, 0, n, o2, NULL)};
+  at3[1].pages = badt;
+  da_batch b3 = {.appends = ap, .n_appends = 1, .attns = at3, .n_attns = 2};
+  rv = da_backend_run(be, &b3, &res);
+  ck_assert_int_eq(rv, DETATTN_INVALID_ARGUMENT);
+  char want[96];
+  snprintf(want, sizeof(want), "attn 1: page id %d at index %d outside the pool", pool_pages + 7, last);
+  ck_assert_msg(strstr(res.err, want) != NULL, "message: %s (want %s)", res.err, want);
+  memset(o2, 0, no * 2);
+  run_ok(be, &b2, &res);
+  assert_same(o1, o2, no * 2, "after the rejected attention");
+  free(badt);
   free(o1), free(o2);
   seq_fini(&s), seq_fini(&t);
   da_backend_close(be);
