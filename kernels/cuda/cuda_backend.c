@@ -635,6 +635,10 @@ static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, 
 
 /* ---- work list ----------------------------------------------------------------------- */
 
+/* Whether the append kernel reads append a's K and V where the client put them (device
+ * addresses, 16-byte aligned for its loads), not from the staging buffer. */
+static int direct_kv(const da_append *a) { return a->dev && (((uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0; }
+
 typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
@@ -646,6 +650,8 @@ typedef struct plan {
   int64_t inrow_rows, partial_rows;
   int64_t kv_tokens; /* keys the launch reads, a kv head's (args.kv_stream) */
   int64_t n_gseg, n_sseg;   /* device-address tensors: segments gathered in, scattered out */
+  int64_t n_kv_gseg;        /* of the gathered, an append's K or V (not 16-byte aligned, so not
+                               read in place by the append kernel: direct_kv) */
   int64_t gseg_max, sseg_max; /* their largest segment, bytes */
   int host_in, host_out;    /* some inputs come from / outputs go to host memory (copied with the
                                staging buffers; device-address tensors need only the metadata) */
@@ -751,11 +757,11 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_appends; i++) {
     const da_append *a = &b->appends[i];
     if (a->n_tokens > 0) pl->n_pt += ceil_div((int64_t)a->pos + a->n_tokens, P) - a->pos / P;
-    pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
+    if (!direct_kv(a)) pl->n_kv_el += 2 * (int64_t)a->n_tokens * m->n_kv_heads * m->head_dim;
     if (a->n_tokens > pl->max_append_tokens) pl->max_append_tokens = a->n_tokens;
     if (!a->dev && a->n_tokens > 0) pl->host_in = 1;
-    if (a->dev && a->n_tokens > 0) {
-      pl->n_gseg += 2;
+    if (a->dev && !direct_kv(a) && a->n_tokens > 0) {
+      pl->n_gseg += 2, pl->n_kv_gseg += 2;
       if (a->n_tokens * (int64_t)m->n_kv_heads * m->head_dim * 2 > pl->gseg_max)
         pl->gseg_max = a->n_tokens * (int64_t)m->n_kv_heads * m->head_dim * 2;
     }
@@ -911,6 +917,10 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
       for (int64_t k = p0; k < np; k++) pts[pt + k - p0] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
       ap->pt_off = pt - p0;
       pt += np - p0;
+      if (direct_kv(a)) {
+        ap->k = a->k, ap->v = a->v;
+        continue;
+      }
       if (a->dev) {
         gs[n_gs++] = (da_cu_seg){a->k, d + pl->off_kvin + (size_t)kvo * 2, el * 2};
         gs[n_gs++] = (da_cu_seg){a->v, d + pl->off_kvin + (size_t)(kvo + el) * 2, el * 2};
@@ -919,7 +929,7 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
         memcpy(kvs + kvo + el, a->v, (size_t)el * 2);
       }
     }
-    ap->k_off = kvo, ap->v_off = kvo + el;
+    ap->k = d + pl->off_kvin + (size_t)kvo * 2, ap->v = d + pl->off_kvin + (size_t)(kvo + el) * 2;
     kvo += 2 * el;
   }
   for (int i = 0; i < b->n_copies; i++) cps[2 * i] = b->copies[i].src, cps[2 * i + 1] = b->copies[i].dst;
@@ -1039,12 +1049,14 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
   CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);
   if (bench && pl->n_q_el > 0)
     CUDA_GOTO(c, da_cuda_fill(d + pl->off_q, (size_t)pl->n_q_el, 1, c->args.bf16, q_seed, c->stream), fail);
-  if (pl->n_gseg > 0)
-    CUDA_GOTO(c, da_cuda_segcopy((const da_cu_seg *)(d + pl->off_gseg), (int)pl->n_gseg, pl->gseg_max, c->stream),
-              fail);
+  /* The gathers ride in the append's launch (append.cu), unless an append's K/V is among them
+   * (the append reads it from the staging buffer then). */
+  const da_cu_seg *gsegs = (const da_cu_seg *)(d + pl->off_gseg);
+  const int apart = pl->n_kv_gseg > 0 || b->n_appends + pl->n_gseg > 65535;
+  if (pl->n_gseg > 0 && apart) CUDA_GOTO(c, da_cuda_segcopy(gsegs, (int)pl->n_gseg, pl->gseg_max, c->stream), fail);
   rv = run_copies(c, b, (const int32_t *)(d + pl->off_copy), err, errlen);
   if (rv != 0) goto fail;
-  CUDA_GOTO(c, da_cuda_append(&c->args, c->stream), fail);
+  CUDA_GOTO(c, da_cuda_append(&c->args, gsegs, apart ? 0 : (int)pl->n_gseg, pl->gseg_max, c->stream), fail);
   if (c->cfg.poison) {
     CUDA_GOTO(c, da_cuda_fill(c->acc_o, (size_t)pl->slots * c->args.head_dim, 0, 0, 0, c->stream), fail);
     CUDA_GOTO(c, da_cuda_fill(c->acc_lse, (size_t)pl->slots, 0, 0, 0, c->stream), fail);

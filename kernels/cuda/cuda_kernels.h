@@ -62,8 +62,9 @@ typedef struct da_cu_append {
   int32_t layer, pos, n_tokens, pad_;
   int64_t pt_off; /* position pos's page id at da_cu_args.pages[pt_off + pos / page_tokens];
                    * only the appended pages are packed, so pt_off may be negative */
-  int64_t k_off;  /* k: [n_tokens][n_kv_heads][head_dim] at kvin + k_off; v at kvin + v_off */
-  int64_t v_off;
+  const void *k;  /* k: [n_tokens][n_kv_heads][head_dim], 16-byte aligned: the staging buffer's
+                   * (da_cu_args.kvin) or a device-address tensor of the client's; v the same */
+  const void *v;
 } da_cu_append;
 
 typedef struct da_cu_args {
@@ -140,17 +141,6 @@ int da_cuda_attn(const da_cu_args *a, cudaStream_t stream);
 int da_cuda_prefill_sm90(const da_cu_args *a, int variant, cudaStream_t stream);
 /* combine.cu: folds the partial slots of a->citems' rows into o/lse. */
 int da_cuda_combine(const da_cu_args *a, cudaStream_t stream);
-/* append.cu: writes a->appends' K/V into the pool through their page tables. */
-int da_cuda_append(const da_cu_args *a, cudaStream_t stream);
-/* pagecopy.cu: copies n whole pages pool[dst[i]] = pool[src[i]] (i independent);
- * pairs: device array of (src, dst) int32. */
-int da_cuda_page_copy(void *kv, int64_t page_bytes, const int32_t *pairs, int n,
-                      cudaStream_t stream);
-/* fill.cu: mode 0 writes NaN (all-ones bits) to n 32-bit words at dst; mode 1 writes n
- * 16-bit values of the dtype (bf16 if bf16 != 0, else fp16) drawn from a hash of
- * (seed, index), roughly N(0, 1) (benchmarks). */
-int da_cuda_fill(void *dst, size_t n, int mode, int bf16, uint64_t seed, cudaStream_t stream);
-
 /* segcopy.cu: copies n segments (a device array) of at most max_bytes each, in one launch.
  * Segments must not overlap each other's destinations. */
 #define DA_CU_SEG_CHUNK 32768 /* bytes per CTA */
@@ -160,6 +150,19 @@ typedef struct da_cu_seg {
   int64_t bytes;
 } da_cu_seg;
 int da_cuda_segcopy(const da_cu_seg *segs, int n, int64_t max_bytes, cudaStream_t stream);
+/* append.cu: writes a->appends' K/V into the pool through their page tables and, in the same
+ * launch, copies the n_segs segments of segs (at most seg_max bytes each; device memory): the
+ * batch's query gathers. n_appends + n_segs at most 65535. */
+int da_cuda_append(const da_cu_args *a, const da_cu_seg *segs, int n_segs, int64_t seg_max, cudaStream_t stream);
+/* pagecopy.cu: copies n whole pages pool[dst[i]] = pool[src[i]] (i independent);
+ * pairs: device array of (src, dst) int32. */
+int da_cuda_page_copy(void *kv, int64_t page_bytes, const int32_t *pairs, int n,
+                      cudaStream_t stream);
+/* fill.cu: mode 0 writes NaN (all-ones bits) to n 32-bit words at dst; mode 1 writes n
+ * 16-bit values of the dtype (bf16 if bf16 != 0, else fp16) drawn from a hash of
+ * (seed, index), roughly N(0, 1) (benchmarks). */
+int da_cuda_fill(void *dst, size_t n, int mode, int bf16, uint64_t seed, cudaStream_t stream);
+
 
 #ifdef __cplusplus
 }

@@ -560,6 +560,50 @@ START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
 }
 END_TEST
 
+/* Device-address tensors (the data planes'): the append reads K/V where they are when they are
+ * 16-byte aligned and gathers them into the staging buffer first when not; queries ride in the
+ * append's launch and outputs are scattered after it. Every form gives the host path's bits. */
+START_TEST(device_address_tensors_equal_host_ones) {
+  const tcfg *c = &cfgs[0];
+  da_rng r;
+  da_rng_seed(&r, g_seed + 600);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  const int n = 150;
+  seq s, t;
+  seq_init(&s, c, n, &r, used);
+  seq_init(&t, c, n, &r, used);
+  seq_copy_tokens(&t, &s, c, n);
+  const size_t qb = (size_t)n * c->hq * c->d * 2, kvb = (size_t)n * c->hkv * c->d * 2;
+  const size_t oq = 0, ok = (qb + 255) / 256 * 256, ov = ok + (kvb + 255) / 256 * 256,
+               oo = ov + (kvb + 255) / 256 * 256, cap = oo + qb + 256;
+  uint16_t *o1 = malloc(qb), *o2 = malloc(qb);
+  forward(be, c, &s, 0, 0, n, o1, NULL, DA_SPLIT_AUTO);
+  char *dev = NULL;
+  ck_assert_int_eq(cudaMalloc((void **)&dev, cap), cudaSuccess);
+  for (int shift = 0; shift <= 2; shift += 2) { /* aligned, then 2 bytes past (2-byte copies) */
+    char *d0 = dev + shift;
+    ck_assert_int_eq(cudaMemset(dev, 0xff, cap), cudaSuccess); /* NaN wherever nothing is written */
+    ck_assert_int_eq(cudaMemcpy(d0 + oq, t.q, qb, cudaMemcpyHostToDevice), cudaSuccess);
+    ck_assert_int_eq(cudaMemcpy(d0 + ok, t.k, kvb, cudaMemcpyHostToDevice), cudaSuccess);
+    ck_assert_int_eq(cudaMemcpy(d0 + ov, t.v, kvb, cudaMemcpyHostToDevice), cudaSuccess);
+    da_append ap = mk_append(c, &t, 0, 0, n);
+    ap.k = d0 + ok, ap.v = d0 + ov, ap.dev = 1;
+    da_attn at = mk_attn(c, &t, 0, 0, n, o2, NULL);
+    at.q = d0 + oq, at.o = d0 + oo, at.dev = 1;
+    da_batch b = {.appends = &ap, .n_appends = 1, .attns = &at, .n_attns = 1};
+    da_batch_result res;
+    run_ok(be, &b, &res);
+    ck_assert_int_eq(cudaMemcpy(o2, d0 + oo, qb, cudaMemcpyDeviceToHost), cudaSuccess);
+    assert_same(o1, o2, qb, shift ? "device tensors 2 bytes off 16" : "device tensors, aligned");
+  }
+  cudaFree(dev);
+  free(o1), free(o2);
+  seq_fini(&s), seq_fini(&t);
+  da_backend_close(be);
+}
+END_TEST
+
 /* T other than 64 and 128, and T = 128 at head_dim 256, fail create() with the reason. */
 START_TEST(create_rejects_other_tile_sizes) {
   static const struct {
@@ -764,6 +808,7 @@ int main(void) {
   tcase_add_test(tc, create_rejects_unknown_path_settings);
   tcase_add_test(tc, info_names_device_and_fingerprint);
   tcase_add_test(tc, bad_page_id_is_rejected_and_writes_nothing);
+  tcase_add_test(tc, device_address_tensors_equal_host_ones);
   tcase_add_loop_test(tc, matches_fp64_reference, 0, 2);
   suite_add_tcase(su, tc);
   tc = tcase_create("accuracy");
