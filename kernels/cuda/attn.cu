@@ -422,12 +422,11 @@ attn_kernel(const da_cu_args a) {
                         qd == 0 && lse_writer ? a.acc_lse + slot : nullptr, fold_lse[r]);
       continue;
     }
-    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D +
-                                                 dcol0 * 8 + qd * 2);
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(at.o) + row * D + dcol0 * 8 + qd * 2);
 #pragma unroll
     for (int n = 0; n < NV; n++)
       dst[n * 4] = da_pack2<BF16>(myfold[(n * 4 + 2 * r) * 32], myfold[(n * 4 + 2 * r + 1) * 32]);
-    if (at.lse_off >= 0 && qd == 0 && lse_writer) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
+    if (at.lse != nullptr && qd == 0 && lse_writer) at.lse[row] = da_lse_out(fold_lse[r]);
   }
 }
 

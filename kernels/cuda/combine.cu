@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
 #pragma unroll
       for (int k = 0; k < CH; k++) cur[k] = nxt[k];
     }
-    if (lead && at.lse_off >= 0) a.lse[at.lse_off + row] = da_lse_out(lse);
+    if (lead && at.lse != nullptr) at.lse[row] = da_lse_out(lse);
     return;
   }
 
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(shape<D>::THREADS) combine_kernel(const da_cu_
     DA_TRACE_IF(tid == 0 && c < 16, 20 + c); /* chunk c folded */
   }
   DA_TRACE_IF(tid == 0, 2); /* the row folded */
-  static_cast<uint16_t *>(a.o)[at.o_off + (int64_t)row * D + tid] = round_o<BF16>(o);
+  static_cast<uint16_t *>(at.o)[(int64_t)row * D + tid] = round_o<BF16>(o);
   if (a.kv_stream) drop_row<D>(a, r, tid, FOLD); /* every chunk's copy has landed (dfull) */
 }
 
@@ -321,11 +321,11 @@ __global__ void __launch_bounds__(32 * SHORT_WARPS) combine_short_kernel(const d
     load_group(xa, g + 2);
     merge_group(xb, g + 1);
   }
-  /* pairs of outputs a 32-bit store (o_off, D and col are even) */
-  uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + (int64_t)r.row * D + col);
+  /* pairs of outputs a 32-bit store (o is 4-byte aligned, D and col even) */
+  uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(at.o) + (int64_t)r.row * D + col);
 #pragma unroll
   for (int v = 0; v < V; v += 2) dst[v / 2] = round_o<BF16>(o[v]) | (uint32_t)round_o<BF16>(o[v + 1]) << 16;
-  if (lane == 0 && at.lse_off >= 0) a.lse[at.lse_off + r.row] = da_lse_out(lse);
+  if (lane == 0 && at.lse != nullptr) at.lse[r.row] = da_lse_out(lse);
   if (a.kv_stream) drop_row<D>(a, r, lane, 32);
 }
 

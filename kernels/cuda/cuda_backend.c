@@ -639,6 +639,10 @@ static int validate(const cuda_ctx *c, const da_batch *b, int bench, char *err, 
  * addresses, 16-byte aligned for its loads), not from the staging buffer. */
 static int direct_kv(const da_append *a) { return a->dev && (((uintptr_t)a->k | (uintptr_t)a->v) & 15) == 0; }
 
+/* Whether the kernels write attention a's o and lse where the client wants them (device
+ * addresses, 16-byte aligned), not to the output staging buffer for a scatter after. */
+static int direct_o(const da_attn *a) { return a->dev && (((uintptr_t)a->o | (uintptr_t)a->lse) & 15) == 0; }
+
 typedef struct plan {
   int64_t n_items, n_citems, n_pt, n_q_el, n_kv_el, n_o_el, n_lse, slots;
   int max_append_tokens;
@@ -715,13 +719,14 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
     if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
     pl->n_q_el += rows * m->head_dim;
-    pl->n_o_el += rows * m->head_dim;
-    if (a->lse != NULL) pl->n_lse += rows;
+    if (!direct_o(a)) pl->n_o_el += rows * m->head_dim;
+    if (!direct_o(a) && a->lse != NULL) pl->n_lse += rows;
     if (a->dev && rows > 0) {
       const int64_t qb = rows * m->head_dim * 2;
-      pl->n_gseg += 1, pl->n_sseg += 1 + (a->lse != NULL);
+      pl->n_gseg += 1;
       if (qb > pl->gseg_max) pl->gseg_max = qb;
-      if (qb > pl->sseg_max) pl->sseg_max = qb;
+      if (!direct_o(a)) pl->n_sseg += 1 + (a->lse != NULL);
+      if (!direct_o(a) && qb > pl->sseg_max) pl->sseg_max = qb;
     } else if (rows > 0) {
       pl->host_in = pl->host_out = 1;
     }
@@ -874,19 +879,23 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
     }
     at->q_off = q;
     const int64_t qb = rows * m->head_dim * 2;
-    if (a->dev && rows > 0) {
-      /* Device addresses: a kernel gathers q and scatters o and lse (segcopy.cu). */
+    if (a->dev && rows > 0) /* device addresses: the append's launch gathers q (append.cu) */
       gs[n_gs++] = (da_cu_seg){a->q, d + pl->off_q + (size_t)q * 2, qb};
-      ss[n_ss++] = (da_cu_seg){dout + pl->off_o + (size_t)o * 2, a->o, qb};
-      if (a->lse != NULL) ss[n_ss++] = (da_cu_seg){dout + pl->off_lse + (size_t)lse * 4, a->lse, rows * 4};
-    } else if (a->q != NULL) {
+    else if (a->q != NULL)
       memcpy(qs + q, a->q, (size_t)qb);
-    }
     q += rows * m->head_dim;
-    at->o_off = o;
-    o += rows * m->head_dim;
-    at->lse_off = a->lse != NULL ? lse : -1;
-    if (a->lse != NULL) lse += rows;
+    if (direct_o(a)) {
+      at->o = a->o, at->lse = a->lse;
+    } else {
+      at->o = dout + pl->off_o + (size_t)o * 2;
+      at->lse = a->lse != NULL ? (float *)(dout + pl->off_lse) + lse : NULL;
+      if (a->dev && rows > 0) { /* a kernel scatters them after (segcopy.cu) */
+        ss[n_ss++] = (da_cu_seg){at->o, a->o, qb};
+        if (a->lse != NULL) ss[n_ss++] = (da_cu_seg){at->lse, a->lse, rows * 4};
+      }
+      o += rows * m->head_dim;
+      if (a->lse != NULL) lse += rows;
+    }
     at->slot_base = pl->partial[i] ? slot : -1;
     if (pl->partial[i]) {
       slot += rows * at->n_splits;
@@ -944,8 +953,6 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
   g->appends = (const da_cu_append *)(d + pl->off_app);
   g->q = d + pl->off_q;
   g->kvin = d + pl->off_kvin;
-  g->o = dout + pl->off_o;
-  g->lse = (float *)(dout + pl->off_lse);
   g->n_items = (int)pl->n_items, g->n_citems = (int)pl->n_citems, g->n_appends = b->n_appends;
   g->n_split_items = (int)n_split;
   g->max_append_tokens = pl->max_append_tokens;
@@ -1044,9 +1051,13 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
     goto fail;
   }
   size_t h2d = bench || !pl->host_in ? pl->off_q : pl->in_bytes;
-  CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
-  CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
-  CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);
+  if (c->fl_n > 0) { /* on the copy stream, under the batch in flight's kernels */
+    CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
+    CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
+    CUDA_GOTO(c, cudaStreamWaitEvent(c->stream, c->ev_in[c->cur], 0), fail);
+  } else { /* nothing to overlap: on the batch's own stream, two calls fewer */
+    CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->stream), fail);
+  }
   if (bench && pl->n_q_el > 0)
     CUDA_GOTO(c, da_cuda_fill(d + pl->off_q, (size_t)pl->n_q_el, 1, c->args.bf16, q_seed, c->stream), fail);
   /* The gathers ride in the append's launch (append.cu), unless an append's K/V is among them
@@ -1183,6 +1194,7 @@ static int finish(void *ctx, da_batch_result *res) {
   for (int i = 0; i < b->n_attns; i++) {
     const da_attn *a = &b->attns[i];
     const int64_t rows = (int64_t)a->n_q * m->n_q_heads;
+    if (direct_o(a)) continue; /* the kernels wrote them in place */
     if (!a->dev) memcpy(a->o, hout + f->pl.off_o + (size_t)o * 2, (size_t)rows * m->head_dim * 2);
     o += rows * m->head_dim;
     if (a->lse != NULL) {

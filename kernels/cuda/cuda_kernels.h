@@ -42,8 +42,9 @@ typedef struct da_cu_attn {
   int32_t layer, q_pos, n_q, n_pages;
   int64_t pt_off;    /* first page id in da_cu_args.pages */
   int64_t q_off;     /* q: [n_q][n_q_heads][head_dim] at q + q_off */
-  int64_t o_off;     /* o: same shape at o + o_off */
-  int64_t lse_off;   /* lse: [n_q][n_q_heads] at lse + lse_off, or -1 */
+  void *o;           /* o: same shape, in the output staging buffer or a device-address tensor
+                      * of the client's (16-byte aligned) */
+  float *lse;        /* lse: [n_q][n_q_heads] the same way, or NULL */
   int64_t slot_base; /* partial mode: slot of (t, h, j) = slot_base + (t*Hq + h)*n_splits + j; -1: in-row */
   int32_t n_splits;  /* splits covering [0, q_pos + n_q) */
   int32_t pad_;
@@ -77,8 +78,6 @@ typedef struct da_cu_args {
   const da_cu_append *appends;
   const void *q;            /* staged queries */
   const void *kvin;         /* staged appended K/V */
-  void *o;                  /* staged outputs */
-  float *lse;
   int n_items, n_citems, n_appends, max_append_tokens;
   int n_split_items; /* the last n_split_items items have blocks of <= 16 rows */
   int n_layers, n_q_heads, n_kv_heads, head_dim, page_tokens, page_shift;

@@ -854,10 +854,10 @@ __device__ __forceinline__ int consume(const da_cu_args &a, const item_range &ir
                         qd == 0 ? a.acc_lse + slot : nullptr, fold_lse[r]);
       continue;
     }
-    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(a.o) + at.o_off + row * D + qd * 2);
+    uint32_t *dst = reinterpret_cast<uint32_t *>(static_cast<uint16_t *>(at.o) + row * D + qd * 2);
 #pragma unroll
     for (int n = 0; n < NV; n++) dst[n * 4] = da_pack2<BF16>(fold[n][2 * r], fold[n][2 * r + 1]);
-    if (at.lse_off >= 0 && qd == 0) a.lse[at.lse_off + row] = da_lse_out(fold_lse[r]);
+    if (at.lse != nullptr && qd == 0) at.lse[row] = da_lse_out(fold_lse[r]);
   }
   return next;
 }

@@ -560,9 +560,10 @@ START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
 }
 END_TEST
 
-/* Device-address tensors (the data planes'): the append reads K/V where they are when they are
- * 16-byte aligned and gathers them into the staging buffer first when not; queries ride in the
- * append's launch and outputs are scattered after it. Every form gives the host path's bits. */
+/* Device-address tensors (the data planes'): where they are 16-byte aligned the append reads
+ * K/V in place and the kernels write o and lse in place; where not, K/V are gathered into the
+ * staging buffer first and o and lse scattered after. Queries ride in the append's launch.
+ * Every form gives the host path's bits. */
 START_TEST(device_address_tensors_equal_host_ones) {
   const tcfg *c = &cfgs[0];
   da_rng r;
@@ -576,9 +577,11 @@ START_TEST(device_address_tensors_equal_host_ones) {
   seq_copy_tokens(&t, &s, c, n);
   const size_t qb = (size_t)n * c->hq * c->d * 2, kvb = (size_t)n * c->hkv * c->d * 2;
   const size_t oq = 0, ok = (qb + 255) / 256 * 256, ov = ok + (kvb + 255) / 256 * 256,
-               oo = ov + (kvb + 255) / 256 * 256, cap = oo + qb + 256;
+               oo = ov + (kvb + 255) / 256 * 256, ol = oo + (qb + 255) / 256 * 256,
+               lb = (size_t)n * c->hq * 4, cap = ol + lb + 256;
   uint16_t *o1 = malloc(qb), *o2 = malloc(qb);
-  forward(be, c, &s, 0, 0, n, o1, NULL, DA_SPLIT_AUTO);
+  float *l1 = malloc(lb), *l2 = malloc(lb);
+  forward(be, c, &s, 0, 0, n, o1, l1, DA_SPLIT_AUTO);
   char *dev = NULL;
   ck_assert_int_eq(cudaMalloc((void **)&dev, cap), cudaSuccess);
   for (int shift = 0; shift <= 2; shift += 2) { /* aligned, then 2 bytes past (2-byte copies) */
@@ -589,16 +592,18 @@ START_TEST(device_address_tensors_equal_host_ones) {
     ck_assert_int_eq(cudaMemcpy(d0 + ov, t.v, kvb, cudaMemcpyHostToDevice), cudaSuccess);
     da_append ap = mk_append(c, &t, 0, 0, n);
     ap.k = d0 + ok, ap.v = d0 + ov, ap.dev = 1;
-    da_attn at = mk_attn(c, &t, 0, 0, n, o2, NULL);
-    at.q = d0 + oq, at.o = d0 + oo, at.dev = 1;
+    da_attn at = mk_attn(c, &t, 0, 0, n, o2, l2);
+    at.q = d0 + oq, at.o = d0 + oo, at.lse = (float *)(d0 + ol), at.dev = 1;
     da_batch b = {.appends = &ap, .n_appends = 1, .attns = &at, .n_attns = 1};
     da_batch_result res;
     run_ok(be, &b, &res);
     ck_assert_int_eq(cudaMemcpy(o2, d0 + oo, qb, cudaMemcpyDeviceToHost), cudaSuccess);
-    assert_same(o1, o2, qb, shift ? "device tensors 2 bytes off 16" : "device tensors, aligned");
+    ck_assert_int_eq(cudaMemcpy(l2, d0 + ol, lb, cudaMemcpyDeviceToHost), cudaSuccess);
+    assert_same(o1, o2, qb, shift ? "o, device tensors 2 bytes off 16" : "o, device tensors aligned");
+    assert_same(l1, l2, lb, shift ? "lse, device tensors 2 bytes off 16" : "lse, device tensors aligned");
   }
   cudaFree(dev);
-  free(o1), free(o2);
+  free(o1), free(o2), free(l1), free(l2);
   seq_fini(&s), seq_fini(&t);
   da_backend_close(be);
 }
