@@ -506,17 +506,23 @@ START_TEST(fork_equals_fresh_and_leaves_source_intact) {
 }
 END_TEST
 
+/* A backend for c and two sequences of n tokens on distinct random pages of its pool. */
+static da_backend *open_two_seqs(const tcfg *c, uint64_t salt, int n, seq *s, seq *t) {
+  da_rng r;
+  da_rng_seed(&r, g_seed + salt);
+  da_backend *be = open_be(c);
+  uint8_t used[512] = {0};
+  seq_init(s, c, n, &r, used);
+  seq_init(t, c, n, &r, used);
+  return be;
+}
+
 /* A batch with a bad page id fails with INVALID_ARGUMENT and writes nothing. */
 START_TEST(bad_page_id_is_rejected_and_writes_nothing) {
   const tcfg *c = &cfgs[0];
-  da_rng r;
-  da_rng_seed(&r, g_seed + 500);
-  da_backend *be = open_be(c);
-  uint8_t used[512] = {0};
   const int n = 150;
   seq s, t;
-  seq_init(&s, c, n, &r, used);
-  seq_init(&t, c, n, &r, used);
+  da_backend *be = open_two_seqs(c, 500, n, &s, &t);
   const size_t no = (size_t)n * c->hq * c->d;
   uint16_t *o1 = malloc(no * 2), *o2 = malloc(no * 2);
   forward(be, c, &s, 0, 0, n, o1, NULL, DA_SPLIT_AUTO);
@@ -566,14 +572,9 @@ END_TEST
  * Every form gives the host path's bits. */
 START_TEST(device_address_tensors_equal_host_ones) {
   const tcfg *c = &cfgs[0];
-  da_rng r;
-  da_rng_seed(&r, g_seed + 600);
-  da_backend *be = open_be(c);
-  uint8_t used[512] = {0};
   const int n = 150;
   seq s, t;
-  seq_init(&s, c, n, &r, used);
-  seq_init(&t, c, n, &r, used);
+  da_backend *be = open_two_seqs(c, 600, n, &s, &t);
   seq_copy_tokens(&t, &s, c, n);
   const size_t qb = (size_t)n * c->hq * c->d * 2, kvb = (size_t)n * c->hkv * c->d * 2;
   const size_t oq = 0, ok = (qb + 255) / 256 * 256, ov = ok + (kvb + 255) / 256 * 256,
