@@ -125,7 +125,8 @@ int da_side_handover(const char *path, uint32_t magic, uint32_t id, uint64_t tok
  * ring is its connection's, each call in a slot one more. Any thread. */
 typedef struct da_ring da_ring;
 /* A ring of slots slots with request_bytes / reply_bytes areas (proto/doorbell_ring.h
- * bounds); a call spins spin_us for its reply before it sleeps. One reference. */
+ * bounds); a call spins for its reply (da_ring_spin_budget, from spin_us) before it sleeps.
+ * One reference. */
 int da_ring_create(da_ring **out, uint32_t slots, uint32_t request_bytes, uint32_t reply_bytes, int spin_us);
 /* The ring's geometry and size, for RegisterArena. */
 void da_ring_geometry(const da_ring *r, uint32_t *slots, uint32_t *request_bytes, uint32_t *reply_bytes,
@@ -149,6 +150,15 @@ int da_ring_start(da_ring *r, const void *req, size_t len, size_t reply_max, uin
 int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **reply, char *msg, size_t msglen);
 /* A started call that will not be waited for: its slot is reclaimed once answered. */
 void da_ring_abandon(da_ring *r, uint32_t slot);
+/* How long a call spins for its reply before it sleeps on the slot's futex (a futex wake-up
+ * costs ~20-30 us, as much as a B 1 decode layer call's GPU work): spin_ns (0: never); where
+ * adaptive (a machine of DA_RING_ADAPTIVE_CPUS or more online CPUs) and no other call of the
+ * ring is waiting, half again as long as the ring's last answered call waited (last_ns), if
+ * that is longer, at most DA_RING_SPIN_MAX_NS. A serving loop's layer calls take about the
+ * same time one after another, so each finds its reply while it spins. */
+#define DA_RING_ADAPTIVE_CPUS 8
+#define DA_RING_SPIN_MAX_NS 2000000ull
+uint64_t da_ring_spin_budget(uint64_t spin_ns, int adaptive, int others, uint64_t last_ns);
 
 /* What a call does once its reply is in: the request kind, and for Forward the caller's
  * output buffers (copied from detattn_seq_io at start). With the shm plane, outputs the

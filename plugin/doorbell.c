@@ -34,6 +34,9 @@ struct da_ring {
   uint64_t size;
   uint32_t slots, req_bytes, rep_bytes;
   uint64_t spin_ns;
+  int adaptive;     /* the spin follows the last call's wait (da_ring_spin_budget) */
+  uint64_t last_ns; /* atomic: how long the ring's last answered call waited */
+  int waiters;      /* atomic: calls in da_ring_wait */
   int dead;        /* atomic: da_ring_lost was called */
   int dead_status; /* written before dead */
   uint8_t *abandoned; /* [slots], atomic: the slot's call gave up after the daemon took it */
@@ -68,6 +71,7 @@ int da_ring_create(da_ring **out, uint32_t slots, uint32_t request_bytes, uint32
   r->rep_bytes = reply_bytes;
   r->size = da_ring_bytes(slots, request_bytes, reply_bytes);
   r->spin_ns = spin_us > 0 ? (uint64_t)spin_us * 1000u : 0;
+  r->adaptive = sysconf(_SC_NPROCESSORS_ONLN) >= DA_RING_ADAPTIVE_CPUS;
   int st;
   if (!(r->abandoned = calloc(slots, 1))) {
     st = da_err(DETATTN_RESOURCE_EXHAUSTED, "out of memory for a doorbell ring");
@@ -201,13 +205,21 @@ static int take_reply(da_ring *r, da_ring_slot *s, nng_msg **reply, char *msg, s
   return st;
 }
 
-int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **reply, char *msg, size_t msglen) {
-  da_ring_slot *s = slot_at(r, slot);
-  *reply = NULL;
-  uint64_t until = r->spin_ns ? da_now_ns() + r->spin_ns : 0;
+uint64_t da_ring_spin_budget(uint64_t spin_ns, int adaptive, int others, uint64_t last_ns) {
+  if (spin_ns == 0 || !adaptive || others > 0) return spin_ns;
+  uint64_t t = last_ns + last_ns / 2;
+  if (t > DA_RING_SPIN_MAX_NS) t = DA_RING_SPIN_MAX_NS;
+  return t > spin_ns ? t : spin_ns;
+}
+
+static int wait_slot(da_ring *r, da_ring_slot *s, uint32_t slot, uint64_t deadline_ns, uint64_t until,
+                     uint64_t *done_ns, nng_msg **reply, char *msg, size_t msglen) {
   for (;;) {
     uint32_t st = __atomic_load_n(&s->state, __ATOMIC_ACQUIRE);
-    if (st == DA_RING_DONE) return take_reply(r, s, reply, msg, msglen);
+    if (st == DA_RING_DONE) {
+      *done_ns = da_now_ns();
+      return take_reply(r, s, reply, msg, msglen);
+    }
     if (st == DA_RING_LOST) {
       __atomic_store_n(&s->state, DA_RING_FREE, __ATOMIC_RELEASE);
       int why = __atomic_load_n(&r->dead, __ATOMIC_ACQUIRE) ? r->dead_status : DETATTN_UNAVAILABLE;
@@ -241,6 +253,19 @@ int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **repl
     if (__atomic_load_n(&s->state, __ATOMIC_SEQ_CST) == st) futex_wait(&s->state, st, deadline_ns ? deadline_ns - now : 0);
     __atomic_store_n(&s->waiting, 0, __ATOMIC_RELAXED);
   }
+}
+
+int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **reply, char *msg, size_t msglen) {
+  *reply = NULL;
+  const uint64_t t0 = da_now_ns();
+  const int others = __atomic_fetch_add(&r->waiters, 1, __ATOMIC_ACQ_REL);
+  const uint64_t spin =
+      da_ring_spin_budget(r->spin_ns, r->adaptive, others, __atomic_load_n(&r->last_ns, __ATOMIC_RELAXED));
+  uint64_t done_ns = 0;
+  int st = wait_slot(r, slot_at(r, slot), slot, deadline_ns, spin ? t0 + spin : 0, &done_ns, reply, msg, msglen);
+  __atomic_fetch_sub(&r->waiters, 1, __ATOMIC_ACQ_REL);
+  if (done_ns) __atomic_store_n(&r->last_ns, done_ns - t0, __ATOMIC_RELAXED);
+  return st;
 }
 
 void da_ring_abandon(da_ring *r, uint32_t slot) {

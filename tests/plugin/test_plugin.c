@@ -14,6 +14,7 @@
 #include <nng/nng.h>
 #include <nng/protocol/reqrep0/rep.h>
 
+#include "client_impl.h"
 #include "da.h"
 #include "detattn.h"
 #include "detattn.pb-c.h"
@@ -567,12 +568,28 @@ END_TEST
  * process exits, so that LeakSanitizer sees only leaks of ours. */
 static void reap_nng(void) { nng_fini(); }
 
+/* A doorbell call spins for its reply as long as the option says, and, where adaptive and
+ * alone on its ring, half again as long as the ring's last call waited, up to the cap. */
+START_TEST(doorbell_spin_follows_the_last_call) {
+  const uint64_t us = 1000;
+  ck_assert_uint_eq(da_ring_spin_budget(0, 1, 0, 300 * us), 0); /* 0: never spins */
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 0, 0, 300 * us), 50 * us); /* not adaptive */
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 1, 1, 300 * us), 50 * us); /* another call waits */
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 1, 0, 0), 50 * us);        /* no call answered yet */
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 1, 0, 20 * us), 50 * us);  /* short calls: the option */
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 1, 0, 270 * us), 405 * us);
+  ck_assert_uint_eq(da_ring_spin_budget(50 * us, 1, 0, 10000 * us), DA_RING_SPIN_MAX_NS);
+  ck_assert_uint_eq(da_ring_spin_budget(5000 * us, 1, 0, 10000 * us), 5000 * us); /* the option above the cap */
+}
+END_TEST
+
 static Suite *plugin_suite(void) {
   Suite *s = suite_create("plugin");
   TCase *t = tcase_create("fake_daemon");
   tcase_add_checked_fixture(t, NULL, reap_nng);
   tcase_set_timeout(t, 20);
   tcase_add_test(t, hello_returns_the_daemon_model_and_fingerprint);
+  tcase_add_test(t, doorbell_spin_follows_the_last_call);
   tcase_add_test(t, forward_returns_outputs_of_every_item);
   tcase_add_test(t, daemon_status_and_message_reach_the_caller);
   tcase_add_test(t, forward_reply_of_wrong_length_is_internal_and_writes_nothing);
