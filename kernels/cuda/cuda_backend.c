@@ -719,14 +719,15 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
     if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
     pl->n_q_el += rows * m->head_dim;
-    if (!direct_o(a)) pl->n_o_el += rows * m->head_dim;
-    if (!direct_o(a) && a->lse != NULL) pl->n_lse += rows;
+    const int staged_o = !direct_o(a);
+    if (staged_o) pl->n_o_el += rows * m->head_dim;
+    if (staged_o && a->lse != NULL) pl->n_lse += rows;
     if (a->dev && rows > 0) {
       const int64_t qb = rows * m->head_dim * 2;
       pl->n_gseg += 1;
       if (qb > pl->gseg_max) pl->gseg_max = qb;
-      if (!direct_o(a)) pl->n_sseg += 1 + (a->lse != NULL);
-      if (!direct_o(a) && qb > pl->sseg_max) pl->sseg_max = qb;
+      if (staged_o) pl->n_sseg += 1 + (a->lse != NULL);
+      if (staged_o && qb > pl->sseg_max) pl->sseg_max = qb;
     } else if (rows > 0) {
       pl->host_in = pl->host_out = 1;
     }
@@ -789,8 +790,6 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   pl->out_bytes = o;
 }
 
-/* Packs the batch into the pinned buffer h (layout of pl) and fills c->args. Queries of
- * attns with q == NULL are left for the caller to fill on the device. */
 /* Copies n page ids and says whether every one lies in the pool [0, pool): one pass with no
  * branch (it vectorizes). A decode step of B 32 at L 4k carries 8,192 ids; checking them in
  * validate() and copying them here, each in a loop with branches, took ~25 us of a layer
@@ -805,9 +804,10 @@ static int copy_ids(int32_t *restrict dst, const int32_t *restrict src, int64_t 
   return bad == 0;
 }
 
-/* Writes batch b's staging into h (device copy d, outputs dout) and c->args. Returns 0, or
- * 1 + the index of an attention whose page table has an id outside the pool (nothing has
- * been enqueued then; the caller reports it). */
+/* Packs the batch into the pinned buffer h (layout of pl; its device copy d, outputs dout)
+ * and fills c->args. Queries of attns with q == NULL are left for the caller to fill on the
+ * device. Returns 0, or 1 + the index of an attention whose page table has an id outside the
+ * pool (nothing has been enqueued then; the caller reports it). */
 static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsigned char *h,
                     unsigned char *d, unsigned char *dout) {
   const da_model *m = &c->cfg.model;

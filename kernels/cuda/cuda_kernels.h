@@ -162,7 +162,6 @@ int da_cuda_page_copy(void *kv, int64_t page_bytes, const int32_t *pairs, int n,
  * (seed, index), roughly N(0, 1) (benchmarks). */
 int da_cuda_fill(void *dst, size_t n, int mode, int bf16, uint64_t seed, cudaStream_t stream);
 
-
 #ifdef __cplusplus
 }
 #endif
