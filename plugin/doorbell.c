@@ -206,10 +206,7 @@ static int take_reply(da_ring *r, da_ring_slot *s, nng_msg **reply, char *msg, s
 }
 
 uint64_t da_ring_spin_budget(uint64_t spin_ns, int adaptive, int others, uint64_t last_ns) {
-  if (spin_ns == 0 || !adaptive || others > 0) return spin_ns;
-  uint64_t t = last_ns + last_ns / 2;
-  if (t > DA_RING_SPIN_MAX_NS) t = DA_RING_SPIN_MAX_NS;
-  return t > spin_ns ? t : spin_ns;
+  return da_ring_spin_follow(spin_ns, adaptive && others == 0 ? DA_RING_SPIN_MAX_NS : 0, last_ns);
 }
 
 static int wait_slot(da_ring *r, da_ring_slot *s, uint32_t slot, uint64_t deadline_ns, uint64_t until,

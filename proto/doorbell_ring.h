@@ -104,4 +104,16 @@ static inline da_ring_slot *da_ring_slot_at(void *base, uint32_t i, uint32_t req
   return (da_ring_slot *)((uint8_t *)base + DA_RING_HDR_BYTES + (size_t)i * da_ring_slot_stride(request_bytes, reply_bytes));
 }
 
+/* A spin that follows the other side's rhythm, both ends of a ring use it: spin_ns (0: never
+ * spin), or half again last_ns (the last wait it would have caught) if that is longer, at
+ * most max_ns (0: the fixed spin_ns). The client waits for a reply (plugin/doorbell.c), the
+ * daemon for a ring's next request after its reply (server/doorbell.c); in a serving loop
+ * both come at about the same interval one layer after another. */
+static inline uint64_t da_ring_spin_follow(uint64_t spin_ns, uint64_t max_ns, uint64_t last_ns) {
+  if (spin_ns == 0) return 0;
+  uint64_t t = last_ns + last_ns / 2;
+  if (t > max_ns) t = max_ns;
+  return t > spin_ns ? t : spin_ns;
+}
+
 #endif /* DA_DOORBELL_RING_H */

@@ -964,7 +964,14 @@ static int start(da_daemon *d) {
     return rv;
   }
   if (c->doorbell && da_planes_arena_path(d->planes)[0]) {
+    /* Scanning through a client's compute between its calls saves the eventfd's wake-up of the
+     * loop (an H200's B 1 L 1k layer call with 400 us of MLP between calls: 106-111 us with the
+     * loop scanning 1 ms, 183-184 us with 50 us; NOTES.md v5.27); on 2 cores the spinning loop
+     * would take the clients' turns, as the worker's spin did. */
+    int spin_max = c->doorbell_spin_max_us;
+    if (spin_max < 0) spin_max = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2000 : 0;
     da_doorbell_cfg dc = {.loop = &d->loop, .limits = tc.limits, .spin_us = c->doorbell_spin_us,
+                          .spin_max_us = spin_max,
                           .max_ring_bytes = (uint64_t)c->max_arena_bytes, .request = on_ring_request,
                           .scanned = on_ring_scanned, .arg = d};
     if ((rv = da_doorbell_open(&d->doorbell, &dc, err, sizeof(err))) != 0) {

@@ -42,6 +42,8 @@ struct da_ring {
   int holds;
   int active; /* on the active list: scanned every loop turn */
   uint64_t active_ns;
+  uint64_t reply_ns; /* the last reply (0: none yet) */
+  uint64_t gap_ns;   /* from a reply to the next request taken, the last time one followed a reply */
   da_ring *next, *anext;
 };
 
@@ -142,6 +144,7 @@ static void take(da_doorbell *db, da_ring *r, uint32_t i) {
   uint32_t len = __atomic_load_n(&s->req_len, __ATOMIC_RELAXED);
   uint64_t now = da_now_ns();
   da_wire_request w;
+  if (r->holds == 0 && r->reply_ns != 0) r->gap_ns = now > r->reply_ns ? now - r->reply_ns : 0;
   r->held[i] = 1;
   r->holds++;
   db->counts.requests++;
@@ -189,7 +192,8 @@ static int scan(da_doorbell *db, da_ring *r) {
  * no bell) and, still quiet, is left to its eventfd. */
 static void on_idle(uv_idle_t *h) {
   da_doorbell *db = (da_doorbell *)((char *)h - offsetof(da_doorbell, idle));
-  uint64_t now = da_now_ns(), spin = (uint64_t)db->cfg.spin_us * 1000u;
+  const uint64_t now = da_now_ns(), spin0 = (uint64_t)db->cfg.spin_us * 1000u;
+  const uint64_t spin_max = (uint64_t)db->cfg.spin_max_us * 1000u;
   int took = 0;
   /* Detached while it is walked: a request taken may activate rings (they join db->active). */
   da_ring *list = db->active;
@@ -203,7 +207,8 @@ static void on_idle(uv_idle_t *h) {
       continue;
     }
     int n = scan(db, r);
-    uint64_t quiet = now > r->active_ns ? now - r->active_ns : 0;
+    const uint64_t quiet = now > r->active_ns ? now - r->active_ns : 0;
+    const uint64_t spin = da_ring_spin_follow(spin0, spin_max, r->gap_ns);
     if (n == 0 && quiet >= spin && r->state == READY) {
       __atomic_store_n(&r->hdr->sleeping, 1, __ATOMIC_SEQ_CST);
       n = scan(db, r);
@@ -463,7 +468,8 @@ int da_doorbell_reply(da_doorbell *db, da_ring *r, uint32_t slot, const da_wire_
     } else {
       da_log_warn("doorbell ring %u slot %u: cannot encode a reply; the call will time out", r->id, slot);
     }
-    activate(db, r, da_now_ns());
+    r->reply_ns = da_now_ns();
+    activate(db, r, r->reply_ns);
   }
   if (held) {
     r->held[slot] = 0;

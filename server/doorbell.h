@@ -13,8 +13,10 @@
  * read without blocking, then maps the ring and polls the eventfd.
  *
  * Taking requests: while requests arrive, every loop turn scans the active rings (a
- * uv_idle); spin_us after a ring's last request or reply it sets the ring's sleeping word,
- * rescans once and leaves it to its eventfd (a uv_poll). A taken request's bytes are copied
+ * uv_idle); spin_us after a ring's last request or reply (or, up to spin_max_us, half again
+ * the last gap from a reply of the ring to its next request: a client that computes between
+ * its calls finds the loop still scanning) it sets the ring's sleeping word, rescans once and
+ * leaves it to its eventfd (a uv_poll). A taken request's bytes are copied
  * out of the ring, length-checked and decoded by da_wire_decode with the limits of nng
  * requests, then handed to the request callback with the ring and slot as its reply route;
  * the route is consumed by exactly one da_doorbell_reply. The daemon never blocks on a ring
@@ -42,6 +44,8 @@ typedef struct da_doorbell_cfg {
   uv_loop_t *loop;
   da_wire_limits limits;   /* as for nng requests (a request may use 4x its length + 64 KiB) */
   int spin_us;             /* scan every loop turn for this long after a ring's last activity */
+  int spin_max_us;         /* or, after a reply, up to this long: 1.5x the ring's last gap from a reply
+                            * to its next request (da_ring_spin_follow); 0: spin_us only */
   uint64_t max_ring_bytes; /* largest ring (--max-arena-bytes) */
   /* A request taken from ring (of connection client) at slot: w is decoded (w->status says
    * whether validation passed); the callee may move it out (then zeroes it). The route

@@ -716,6 +716,61 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
 }
 END_TEST
 
+/* With --doorbell-spin-max-us the loop follows a client that computes between its calls: it
+ * scans a ring for half again the last gap from a reply to the ring's next request, so a
+ * request published within that after a reply is taken without the bell; past it, with
+ * nothing new, the ring sleeps again and a request without the bell waits. The gaps are
+ * hundreds of ms where the test asserts, so a slow machine cannot flip them. */
+START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
+  static const char *const extra[] = {"--doorbell-spin-us", "1000", "--doorbell-spin-max-us", "1000000", NULL};
+  start(extra);
+  da_raw r;
+  da_raw_open(&r, D.url);
+  rring g;
+  rring_ready(&r, &g);
+  char msg[256];
+  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
+  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
+  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
+  rq.seq_open = &so;
+  da_raw_expect(rring_call(&g, 0, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "first call");
+  /* 400 ms of "compute": the loop sleeps after 1 ms; the bell wakes it, and it learns the gap. */
+  da_test_sleep_ms(400);
+  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 1);
+  da_raw_expect(rring_call(&g, 0, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "call after 400 ms");
+  /* Now it scans for ~600 ms after each reply: 20 ms later, no bell, the request is taken. */
+  da_test_sleep_ms(20);
+  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 0);
+  rq.id = g.next_id++;
+  uint8_t buf[R_AREA];
+  size_t n = detattn__v1__request__get_packed_size(&rq);
+  detattn__v1__request__pack(&rq, buf);
+  rring_put(&g, 0, buf, (uint32_t)n, (uint32_t)n, 0);
+  ck_assert_msg(rring_done(&g, 0, 5000), "a request 20 ms after a reply was not taken while the loop followed "
+                                         "a 400 ms gap (state %u)", rslot(&g, 0)->state);
+  int code;
+  detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
+  da_raw_expect(code, msg, DETATTN_OK, "call without the bell");
+  /* That gap was ~20 ms, so ~30 ms later the ring sleeps: 500 ms on, a request without the
+   * bell waits, and the bell gets it answered. */
+  da_test_sleep_ms(500);
+  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 1);
+  rq.id = g.next_id++;
+  n = detattn__v1__request__get_packed_size(&rq);
+  detattn__v1__request__pack(&rq, buf);
+  rring_put(&g, 0, buf, (uint32_t)n, (uint32_t)n, 0);
+  da_test_sleep_ms(100);
+  ck_assert_msg(rslot(&g, 0)->state == DA_RING_REQUEST, "a request was taken from a sleeping ring without a bell");
+  uint64_t one = 1;
+  ck_assert_int_eq(write(g.efd, &one, 8), 8);
+  detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
+  da_raw_expect(code, msg, DETATTN_OK, "call after the bell");
+  da_raw_close(&r);
+  rring_free(&g);
+  stop_clean();
+}
+END_TEST
+
 /* ---- killed, timed out, drained ---- */
 
 /* The child: a doorbell client with big Forwards by reference in flight, then killed. */
@@ -962,6 +1017,7 @@ static Suite *doorbell_suite(void) {
       {"threads", many_threads_share_one_doorbell_client},
       {"handover", ring_hand_overs_are_checked},
       {"hostile", hostile_slots_only_hurt_their_own_ring},
+      {"follows", the_loop_scans_through_a_clients_compute_between_calls},
       {"killed", a_client_killed_with_doorbell_calls_in_flight_leaves_nothing_behind},
       {"deadline", a_doorbell_call_past_its_deadline_fails_and_its_slot_comes_back},
       {"drain", a_draining_daemon_answers_unavailable_through_the_ring},
