@@ -481,15 +481,17 @@ static void rring_put(rring *g, uint32_t i, const void *req, uint32_t len, uint3
   if (ring) ck_assert_int_eq(write(g->efd, &one, 8), 8);
 }
 
-/* Packs rq (a fresh id) into slot i and publishes it. */
-static void rring_put_rq(rring *g, uint32_t i, Detattn__V1__Request *rq) {
+/* Packs rq (a fresh id) into slot i and publishes it; ring: and rings the bell. */
+static void rring_put_rq_bell(rring *g, uint32_t i, Detattn__V1__Request *rq, int ring) {
   rq->id = g->next_id++;
   uint8_t buf[R_AREA];
   size_t n = detattn__v1__request__get_packed_size(rq);
   ck_assert_uint_le(n, sizeof buf);
   detattn__v1__request__pack(rq, buf);
-  rring_put(g, i, buf, (uint32_t)n, (uint32_t)n, 1);
+  rring_put(g, i, buf, (uint32_t)n, (uint32_t)n, ring);
 }
+
+static void rring_put_rq(rring *g, uint32_t i, Detattn__V1__Request *rq) { rring_put_rq_bell(g, i, rq, 1); }
 
 /* Waits up to timeout_ms for slot i to be DONE; 1 when it is. */
 static int rring_done(rring *g, uint32_t i, int timeout_ms) {
@@ -514,6 +516,22 @@ static Detattn__V1__Response *rring_reply(rring *g, uint32_t i, int *code, char 
   snprintf(msg, len, "%s", resp->status && resp->status->message ? resp->status->message : "");
   __atomic_store_n(&s->state, DA_RING_FREE, __ATOMIC_RELEASE);
   return resp;
+}
+
+/* The loop has let the ring sleep: rq published in slot 0 without the bell is not taken
+ * until the bell rings, and is then answered OK. */
+static void expect_bell_needed(rring *g, Detattn__V1__Request *rq, const char *what) {
+  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g->base)->sleeping, __ATOMIC_SEQ_CST), 1);
+  rring_put_rq_bell(g, 0, rq, 0);
+  da_test_sleep_ms(100);
+  ck_assert_msg(rslot(g, 0)->state == DA_RING_REQUEST, "%s: a request was taken from a sleeping ring without a bell",
+                what);
+  uint64_t one = 1;
+  ck_assert_int_eq(write(g->efd, &one, 8), 8);
+  char msg[256];
+  int code;
+  detattn__v1__response__free_unpacked(rring_reply(g, 0, &code, msg, sizeof msg), NULL);
+  da_raw_expect(code, msg, DETATTN_OK, what);
 }
 
 static int rring_call(rring *g, uint32_t i, Detattn__V1__Request *rq, char *msg, size_t len,
@@ -688,17 +706,7 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   /* The ring's bell: after the loop has been quiet for --doorbell-spin-us it sleeps; a
    * request published without ringing is not taken until the bell rings. */
   da_test_sleep_ms(50);
-  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 1);
-  rq.id = g.next_id++;
-  n = detattn__v1__request__get_packed_size(&rq);
-  detattn__v1__request__pack(&rq, good);
-  rring_put(&g, 0, good, (uint32_t)n, (uint32_t)n, 0);
-  da_test_sleep_ms(100);
-  ck_assert_msg(rslot(&g, 0)->state == DA_RING_REQUEST, "a request was taken from a sleeping ring without a bell");
-  uint64_t one = 1;
-  ck_assert_int_eq(write(g.efd, &one, 8), 8);
-  detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  da_raw_expect(code, msg, DETATTN_OK, "seq_open after the bell");
+  expect_bell_needed(&g, &rq, "seq_open after the bell");
   /* The bystander was served all along. */
   __atomic_store_n(&by.stop, 1, __ATOMIC_RELEASE);
   pthread_join(by.th, NULL);
@@ -741,11 +749,7 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
   /* Now it scans for ~600 ms after each reply: 20 ms later, no bell, the request is taken. */
   da_test_sleep_ms(20);
   ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 0);
-  rq.id = g.next_id++;
-  uint8_t buf[R_AREA];
-  size_t n = detattn__v1__request__get_packed_size(&rq);
-  detattn__v1__request__pack(&rq, buf);
-  rring_put(&g, 0, buf, (uint32_t)n, (uint32_t)n, 0);
+  rring_put_rq_bell(&g, 0, &rq, 0);
   ck_assert_msg(rring_done(&g, 0, 5000), "a request 20 ms after a reply was not taken while the loop followed "
                                          "a 400 ms gap (state %u)", rslot(&g, 0)->state);
   int code;
@@ -754,17 +758,7 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
   /* That gap was ~20 ms, so ~30 ms later the ring sleeps: 500 ms on, a request without the
    * bell waits, and the bell gets it answered. */
   da_test_sleep_ms(500);
-  ck_assert_uint_eq(__atomic_load_n(&((da_ring_hdr *)g.base)->sleeping, __ATOMIC_SEQ_CST), 1);
-  rq.id = g.next_id++;
-  n = detattn__v1__request__get_packed_size(&rq);
-  detattn__v1__request__pack(&rq, buf);
-  rring_put(&g, 0, buf, (uint32_t)n, (uint32_t)n, 0);
-  da_test_sleep_ms(100);
-  ck_assert_msg(rslot(&g, 0)->state == DA_RING_REQUEST, "a request was taken from a sleeping ring without a bell");
-  uint64_t one = 1;
-  ck_assert_int_eq(write(g.efd, &one, 8), 8);
-  detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
-  da_raw_expect(code, msg, DETATTN_OK, "call after the bell");
+  expect_bell_needed(&g, &rq, "call after the bell");
   da_raw_close(&r);
   rring_free(&g);
   stop_clean();
