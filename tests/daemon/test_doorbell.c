@@ -755,9 +755,9 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
   int code;
   detattn__v1__response__free_unpacked(rring_reply(&g, 0, &code, msg, sizeof msg), NULL);
   da_raw_expect(code, msg, DETATTN_OK, "call without the bell");
-  /* That gap was ~20 ms, so ~30 ms later the ring sleeps: 500 ms on, a request without the
+  /* That gap was ~20 ms, so ~30 ms later the ring sleeps: 800 ms on, a request without the
    * bell waits, and the bell gets it answered. */
-  da_test_sleep_ms(500);
+  da_test_sleep_ms(800);
   expect_bell_needed(&g, &rq, "call after the bell");
   da_raw_close(&r);
   rring_free(&g);
