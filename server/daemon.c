@@ -965,9 +965,9 @@ static int start(da_daemon *d) {
   }
   if (c->doorbell && da_planes_arena_path(d->planes)[0]) {
     /* Scanning through a client's compute between its calls saves the eventfd's wake-up of the
-     * loop (an H200's B 1 L 1k layer call with 400 us of MLP between calls: 106-111 us with the
-     * loop scanning 1 ms, 183-184 us with 50 us; NOTES.md v5.27); on 2 cores the spinning loop
-     * would take the clients' turns, as the worker's spin did. */
+     * loop (on an H200 with 400 us of busy time between layer calls, B 1 L 1k 99-102 -> 70 us,
+     * B 32 L 4k 336-356 -> 266-274 us; NOTES.md v5.27); on 2 cores the spinning loop would
+     * take the clients' turns, as the worker's spin did. */
     int spin_max = c->doorbell_spin_max_us;
     if (spin_max < 0) spin_max = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2000 : 0;
     da_doorbell_cfg dc = {.loop = &d->loop, .limits = tc.limits, .spin_us = c->doorbell_spin_us,
