@@ -717,7 +717,7 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     else pl->inrow_rows += rows;
     if (!part) pl->n_items += ceil_div((int64_t)a->n_q * G, c->brows) * m->n_kv_heads;
     if (part) pl->n_citems += ceil_div(rows, DA_CU_COMBINE_ROWS);
-    if (a->n_q > 0) pl->n_pt += ceil_div(end, P);
+    if (a->n_q > 0) pl->n_pt += ceil_div(end, P) - w0 / P; /* the window's pages: pack() */
     pl->n_q_el += rows * m->head_dim;
     const int staged_o = !direct_o(a);
     if (staged_o) pl->n_o_el += rows * m->head_dim;
@@ -871,11 +871,15 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
     at->n_splits = (int32_t)ceil_div(end, S);
     at->pt_off = pt;
     if (a->n_q > 0) {
-      /* Entries before the window may be anything; only [w0 page, end) are read. */
+      /* Only the pages of the window, [w0 page, end): the kernels read no id of a page before
+       * it (a block's keys start at its first row's window, at or after the attention's w0;
+       * prefill_sm90.cu's batch_id and attn.cu's page_of read only chunks that meet a block's
+       * [w0_min, p_max]), so pt_off points pw entries before them, as an append's does (a
+       * 4k window at L 64k packs 256 ids of 16-token pages instead of 4,096). */
       const int64_t np = ceil_div(end, P), pw = attn_w0(m, a) / P;
-      for (int64_t k = 0; k < pw; k++) pts[pt + k] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
-      if (!copy_ids(pts + pt + pw, a->pages + pw, np - pw, c->cfg.n_pages)) return 1 + i;
-      pt += np;
+      if (!copy_ids(pts + pt, a->pages + pw, np - pw, c->cfg.n_pages)) return 1 + i;
+      at->pt_off = pt - pw;
+      pt += np - pw;
     }
     at->q_off = q;
     const int64_t qb = rows * m->head_dim * 2;

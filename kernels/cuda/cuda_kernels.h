@@ -40,7 +40,9 @@ extern "C" {
 /* One attention request of the batch. Offsets are in elements of their buffer. */
 typedef struct da_cu_attn {
   int32_t layer, q_pos, n_q, n_pages;
-  int64_t pt_off;    /* first page id in da_cu_args.pages */
+  int64_t pt_off;    /* page k's id at da_cu_args.pages[pt_off + k]; only the window's pages,
+                      * from (q_pos - window + 1) / page_tokens, are packed, so pt_off may be
+                      * negative */
   int64_t q_off;     /* q: [n_q][n_q_heads][head_dim] at q + q_off */
   void *o;           /* o: same shape, in the output staging buffer or a device-address tensor
                       * of the client's (16-byte aligned) */
