@@ -67,6 +67,7 @@ if [ "$what" = trace ]; then
     python3 tests/cuda/trace_timeline.py "$f.txt" || exit 1
     python3 tests/cuda/trace_timeline.py --busy "$f.txt" > "$f.busy" &&
       echo "consumer busy us / wait us a tile slot (medians): $(tail -1 "$f.busy")"
+    python3 tests/cuda/trace_timeline.py --end "$f.txt" > "$f.end" && tail -n +2 "$f.end"
   done
   if [ -n "${TRACE_OLD:-}" ]; then # another source tree (e.g. .ab-old): the same, then both side by side
     ln -sfn "$PWD/.devdeps" "$TRACE_OLD/.devdeps"

@@ -14,6 +14,8 @@ Usage: python3 tests/cuda/trace_timeline.py trace.txt [blocks to list, default 4
        forms side by side; run_gpu.sh trace with TRACE_OLD prints it).
        python3 tests/cuda/trace_timeline.py --busy a.txt ...: per tile slot, the consumer's
        median busy time and its wait for the next tile (run_gpu.sh trace prints it too).
+       python3 tests/cuda/trace_timeline.py --end a.txt ...: the step's end, each traced
+       pipe's last item's tiles in 4 us bins from the first pipe's end: busy and wait.
 """
 import collections
 import sys
@@ -75,7 +77,43 @@ def busy(paths):
                                                "%.3f" % all_wait[len(all_wait) // 2] if all_wait else "-"))
 
 
+def end(paths, width=4.0):
+    """The end of a step: each traced pipe's last item (its slots written within 20 us before
+    the item's end; a one-split tail is 8 of them), binned by each tile's data time in bins of
+    `width` us from the first traced pipe's end: the median busy time (data k to done k) and
+    wait for the next tile (done k to data k + 1), us. A busy time that stays while the wait
+    falls means the slot, not the memory, paces the last split (NOTES.md v5.27)."""
+    for path in paths:
+        P, _, t0 = load(path)
+        dones = sorted((v[40] - t0) / 1000.0 for v in P.values() if 40 in v)
+        if not dones:
+            continue
+        first = dones[0]
+        bins = collections.defaultdict(lambda: ([], []))
+        for v in P.values():
+            if 40 not in v:
+                continue
+            done = (v[40] - t0) / 1000.0
+            ks = [k for k in range(16) if 4 + k in v and 20 + k in v and (v[4 + k] - t0) / 1000.0 > done - 20]
+            for k in ks:
+                d = (v[4 + k] - t0) / 1000.0
+                b = bins[int((d - first) // width)]
+                b[0].append((v[20 + k] - v[4 + k]) / 1000.0)
+                if k + 1 in ks:
+                    b[1].append((v[5 + k] - v[20 + k]) / 1000.0)
+        print("%s: pipes done first / median / last %.1f / %.1f / %.1f us" %
+              (path, first, dones[len(dones) // 2], dones[-1]))
+        print("us from first done | tiles | busy us (median) | wait us (median)")
+        for i in sorted(bins):
+            b, w = sorted(bins[i][0]), sorted(bins[i][1])
+            print("%.0f to %.0f | %d | %.2f | %s" % (i * width, (i + 1) * width, len(b), b[len(b) // 2],
+                                                    "%.2f" % w[len(w) // 2] if w else "-"))
+
+
 def main():
+    if len(sys.argv) > 2 and sys.argv[1] == "--end":
+        end(sys.argv[2:])
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--medians":
         medians(sys.argv[2:])
         return
