@@ -22,6 +22,7 @@ printf "| plane | B | L | layer call p50 us | of it sending | daemon receipt to 
 printf "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n"
 for plane in $PLANES; do
   log="$OUT/breakdown-daemon-$plane.log"
+  : > "$log" # exists before the wait below greps it
   # shellcheck disable=SC2086
   "$build/bin/detattnd" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
     --head-dim 128 --dtype bf16 --kv-tokens 600000 --split-tokens 512 --http-listen http://127.0.0.1:9477 \

@@ -1,0 +1,67 @@
+#!/bin/bash
+# The daemon's decode layer call under several sets of daemon flags of one build, alternating
+# in one device call (NOTES.md v5.27's calls 5-7 were done this way by hand): for each "B:L"
+# of SHAPES and each client busy time of MLPS (the step bench's --mlp-us between layer
+# calls), gpu_breakdown.sh runs once with each variant's flags in order and then once in the
+# reverse order (a b b a), ROUNDS times, so drift over the call hits every variant. Prints
+# gpu_breakdown.sh's row for each run, then the layer call p50s of each variant side by side.
+# Usage: VARIANTS="old=--doorbell-spin-max-us 0;new=--doorbell-spin-max-us -1" \
+#          bash clients/stepbench/gpu_flags_ab.sh [BUILD_DIR]   (on the GPU machine; $OUT)
+# Environment: VARIANTS (required; "name=daemon flags;..."), SHAPES ("1:1024 8:4096 32:4096"),
+# MLPS ("0 400"), ROUNDS (1), PLANES (cuda), and what gpu_breakdown.sh takes (BACKEND, STEPS,
+# EXTRA_BENCH_FLAGS: added to --mlp-us). BUILD_DIR (build-gpu) without detattnd is configured
+# and built for sm_90 from .devdeps first (carry .devdeps).
+set -u
+build=${1:-build-gpu}
+OUT=${OUT:-/tmp/detattn-gpu}
+SHAPES=${SHAPES:-1:1024 8:4096 32:4096}
+MLPS=${MLPS:-0 400}
+ROUNDS=${ROUNDS:-1}
+export PLANES=${PLANES:-cuda}
+[ -n "${VARIANTS:-}" ] || { echo "VARIANTS is required, e.g. \"old=--doorbell-spin-max-us 0;new=\""; exit 2; }
+mkdir -p "$OUT"
+if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
+  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
+  eval "$(bash .devdeps/unpack.sh)"
+  sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
+  cmake -S . -B "$build" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+    > "$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
+  cmake --build "$build" --target detattnd detattn_step_bench -j16 > "$OUT/build.log" 2>&1 ||
+    { tail -20 "$OUT/build.log"; exit 1; }
+fi
+IFS=';' read -r -a variants <<< "$VARIANTS"
+order=()
+for ((k = 0; k < ${#variants[@]}; k++)); do order+=("$k"); done
+for ((k = ${#variants[@]} - 1; k >= 0; k--)); do order+=("$k"); done
+res="$OUT/flags_ab.txt"
+: > "$res"
+for shape in $SHAPES; do
+  export B=${shape%%:*} L=${shape##*:}
+  for mlp in $MLPS; do
+    for ((r = 0; r < ROUNDS; r++)); do
+      for k in "${order[@]}"; do
+        name=${variants[$k]%%=*} flags=${variants[$k]#*=}
+        row=$(OUT="$OUT/run-$B-$L-$mlp-$name-$r" EXTRA_DAEMON_FLAGS="$flags" \
+          EXTRA_BENCH_FLAGS="--mlp-us $mlp ${EXTRA_BENCH_FLAGS:-}" bash clients/stepbench/gpu_breakdown.sh "$build" | tail -1)
+        echo "$B $L $mlp $name $row" | tee -a "$res"
+      done
+    done
+  done
+done
+echo "layer call p50 us, in run order (B, L, client busy us between calls):"
+python3 - "$res" "$VARIANTS" <<'PY'
+import collections, sys
+names = [v.split("=", 1)[0] for v in sys.argv[2].split(";")]
+runs = collections.OrderedDict()
+for line in open(sys.argv[1]):
+    f = line.split(None, 4)
+    if len(f) < 5:
+        continue
+    cells = [c.strip() for c in f[4].split("|")]
+    call = cells[4] if len(cells) > 4 else "-"  # | plane | B | L | layer call p50 | ...
+    runs.setdefault((f[0], f[1], f[2]), collections.defaultdict(list))[f[3]].append(call)
+print("| B | L | busy us | " + " | ".join(names) + " |")
+print("|--:|--:|--:|" + "---|" * len(names))
+for (b, l, m), by in runs.items():
+    print("| %s | %s | %s | %s |" % (b, l, m, " | ".join(" / ".join(by[n]) or "-" for n in names)))
+PY
