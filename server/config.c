@@ -101,8 +101,8 @@ static const setting table[] = {
      "doorbell: the loop scans a ring every turn for this long after its last request or reply, then sleeps "
      "until the client rings its eventfd; 0: sleep at once"},
     {"doorbell-spin-max-us", T_INT, F(doorbell_spin_max_us), -1, 1000000, NULL, "-1",
-     "doorbell: or up to this long, 1.5x the ring's last gap from a reply to its next request (a client "
-     "computing between calls); 0: off; -1: 2000 with 8 or more online CPUs, else 0"},
+     "doorbell: after a reply, scan up to this long: 1.5x the ring's last reply-to-request gap (a client "
+     "computing between calls); 0: doorbell-spin-us only; -1: 2000 with 8+ online CPUs, else 0"},
     {"worker-spin-us", T_INT, F(worker_spin_us), -1, 100000, NULL, "-1",
      "the backend worker spins (yielding) this long for its next batch before it sleeps; 0: sleep at once; "
      "-1: 20 with 8 or more online CPUs, else 0"},
