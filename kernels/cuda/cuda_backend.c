@@ -925,9 +925,10 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
     if (a->n_tokens > 0) {
       /* Only the pages the append writes, from the one holding pos: the kernel indexes the
        * table by pos / P from pt_off, which so points p0 entries before them (a decode step's
-       * append packs one page id, not the sequence's whole table). */
+       * append packs one page id, not the sequence's whole table). validate() has checked
+       * these ids against the pool. */
       const int64_t p0 = a->pos / P, np = ceil_div((int64_t)a->pos + a->n_tokens, P);
-      for (int64_t k = p0; k < np; k++) pts[pt + k - p0] = a->pages[k] >= 0 && a->pages[k] < c->cfg.n_pages ? a->pages[k] : 0;
+      memcpy(pts + pt, a->pages + p0, (size_t)(np - p0) * sizeof(*pts));
       ap->pt_off = pt - p0;
       pt += np - p0;
       if (direct_kv(a)) {
