@@ -106,6 +106,9 @@ static const setting table[] = {
     {"worker-spin-us", T_INT, F(worker_spin_us), -1, 100000, NULL, "-1",
      "the backend worker spins (yielding) this long for its next batch before it sleeps; 0: sleep at once; "
      "-1: 20 with 8 or more online CPUs, else 0"},
+    {"worker-spin-max-us", T_INT, F(worker_spin_max_us), -1, 1000000, NULL, "-1",
+     "the worker spins up to this long: 1.5x its last idle gap (a client computing between calls); "
+     "0: worker-spin-us only; -1: 2000 with 8+ online CPUs, else 0"},
     {"tls-cert", T_STR, F(tls_cert), 0, 0, NULL, "", "tls+tcp: the daemon's certificate (PEM, may hold the chain)"},
     {"tls-key", T_STR, F(tls_key), 0, 0, NULL, "", "tls+tcp: the daemon's private key (PEM)"},
     {"tls-ca", T_STR, F(tls_ca), 0, 0, NULL, "",

@@ -92,6 +92,7 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
     s->doorbell_rings = dc.rings;
     s->doorbell_wakeups = dc.wakeups;
   }
+  s->worker_idle_sleeps = da_worker_idle_sleeps(d->worker);
   s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
   s->now_ns = now;
   s->start_ns = d->start_ns;
@@ -925,9 +926,13 @@ static int start(da_daemon *d) {
   /* A spinning worker saves a futex wake-up per batch where cores are idle, and costs the
    * other threads their turn where they are not (2 cores: a victim's p99 rose from 0.3 to
    * 16 ms next to a Stats flood, abuse_stats_flood). */
-  int worker_spin = c->worker_spin_us;
-  if (worker_spin < 0) worker_spin = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 20 : 0;
-  da_worker_set_spin(d->worker, worker_spin);
+  const int many_cpus = sysconf(_SC_NPROCESSORS_ONLN) >= 8;
+  int worker_spin = c->worker_spin_us, worker_spin_max = c->worker_spin_max_us;
+  if (worker_spin < 0) worker_spin = many_cpus ? 20 : 0;
+  /* Following the gap between batches (the client's turn-around and compute) saves the
+   * worker's wake-up per layer call: NOTES.md v5.28. */
+  if (worker_spin_max < 0) worker_spin_max = many_cpus ? 2000 : 0;
+  da_worker_set_spin(d->worker, worker_spin, worker_spin_max);
   if (c->fail_after_batches > 0) {
     da_worker_fail_from(d->worker, (uint64_t)c->fail_after_batches);
     da_log_warn("test setting: batch %d and every later one fail as an injected device failure",

@@ -131,6 +131,10 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
        "Times a client woke a sleeping doorbell ring through its eventfd (requests that found the loop "
        "scanning needed none).");
   put(&b, "detattn_doorbell_wakeups_total %llu\n", (unsigned long long)s->doorbell_wakeups);
+  head(&b, "detattn_worker_idle_sleeps_total", "counter",
+       "Times the backend worker, out of work, slept before its next batch (a batch handed over while it "
+       "spun needed no wake-up).");
+  put(&b, "detattn_worker_idle_sleeps_total %llu\n", (unsigned long long)s->worker_idle_sleeps);
   head(&b, "detattn_request_duration_seconds", "histogram",
        "Time from a request's receipt to its reply, by op (queueing and batching included).");
   for (int op = 1; op < DA_OP_COUNT; op++) {

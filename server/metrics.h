@@ -75,6 +75,7 @@ typedef struct da_metrics_snapshot {
   uint64_t requests_nng, requests_doorbell;    /* answered, by the transport that carried them */
   int64_t doorbell_rings;                      /* doorbell rings mapped */
   uint64_t doorbell_wakeups;                   /* eventfd wake-ups of sleeping rings */
+  uint64_t worker_idle_sleeps;                 /* the backend worker's idle periods that ended asleep */
   /* device */
   uint64_t busy_ns;  /* time with a batch in the backend, since start */
   uint64_t now_ns;   /* da_now_ns() when the snapshot was taken */

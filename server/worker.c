@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "doorbell_ring.h" /* da_ring_spin_follow */
+
 /* How long the worker waits for a submitted batch's ready notification before it calls
  * finish anyway (finish then waits on the device itself): a backend whose notification
  * never comes (a failed device) costs this much, never a hang. */
@@ -38,7 +40,10 @@ struct da_worker {
   int n_ready; /* ready notifications not yet used by a finish */
   int owed;    /* finishes done without their notification: absorb it when it comes */
   uint64_t fail_from, n_submitted;
-  uint64_t spin_ns; /* idle: spin this long for the next batch before sleeping (set before any submit) */
+  uint64_t spin_ns;     /* idle: spin at least this long for the next batch before sleeping */
+  uint64_t spin_max_ns; /* or half again the last idle gap, up to this (0: spin_ns only) */
+  uint64_t idle_gap_ns; /* worker thread: the last idle period, its start to the next batch */
+  uint64_t idle_sleeps; /* idle periods that ended asleep: written by the worker, read atomically */
   unsigned handed;  /* batches handed over, ever: written under mu, read atomically by the spin */
 };
 
@@ -116,10 +121,11 @@ static void deadline(struct timespec *ts, int ms) {
 
 /* Called and returns with w->mu held, which it drops meanwhile: waits up to spin_ns for a
  * batch to be handed over (or stop) without sleeping, so that the next layer's batch, handed
- * over a few microseconds after this one finished, costs no futex wake-up. Bounded. */
-static void spin_for_work(da_worker *w) {
+ * over microseconds after this one finished (or after the client's compute between layers),
+ * costs no futex wake-up. Bounded. */
+static void spin_for_work(da_worker *w, uint64_t spin_ns) {
   unsigned seen = w->handed;
-  uint64_t until = da_now_ns() + w->spin_ns;
+  uint64_t until = da_now_ns() + spin_ns;
   pthread_mutex_unlock(&w->mu);
   while (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) == seen && !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
     sched_yield(); /* whoever has work runs first */
@@ -167,12 +173,19 @@ static int poll_done(da_worker *w) {
  * batch), and finishes the oldest submitted one once the backend says it is ready. */
 static void *run(void *p) {
   da_worker *w = p;
-  int spun = 0; /* spun since the last batch: the next idle wait sleeps */
+  int spun = 0;        /* spun since the last batch: the next idle wait sleeps */
+  int slept = 0;       /* slept since the last batch */
+  uint64_t idle_t = 0; /* when the worker last ran out of work (0: it has work) */
   pthread_mutex_lock(&w->mu);
   for (;;) {
     slot *q = first(w, QUEUED);
     if (q != NULL) {
-      spun = 0;
+      if (idle_t != 0) {
+        w->idle_gap_ns = da_now_ns() - idle_t;
+        if (slept) __atomic_add_fetch(&w->idle_sleeps, 1, __ATOMIC_RELAXED);
+        idle_t = 0;
+      }
+      spun = slept = 0;
       do_submit(w, q);
       continue;
     }
@@ -198,11 +211,15 @@ static void *run(void *p) {
       continue;
     }
     if (w->stop) break;
+    if (idle_t == 0) idle_t = da_now_ns();
     if (w->spin_ns > 0 && !spun) {
+      /* A serving loop hands over its layers at a steady rhythm: spin through the last gap
+       * (and half again), the same rule as the doorbell's ends. */
       spun = 1;
-      spin_for_work(w);
+      spin_for_work(w, da_ring_spin_follow(w->spin_ns, w->spin_max_ns, w->idle_gap_ns));
       continue;
     }
+    slept = 1;
     pthread_cond_wait(&w->cv, &w->mu);
   }
   pthread_mutex_unlock(&w->mu);
@@ -249,11 +266,14 @@ void da_worker_stop(da_worker *w) {
   free(w);
 }
 
-void da_worker_set_spin(da_worker *w, int spin_us) {
+void da_worker_set_spin(da_worker *w, int spin_us, int spin_max_us) {
   pthread_mutex_lock(&w->mu);
   w->spin_ns = spin_us > 0 ? (uint64_t)spin_us * 1000u : 0;
+  w->spin_max_ns = spin_max_us > 0 ? (uint64_t)spin_max_us * 1000u : 0;
   pthread_mutex_unlock(&w->mu);
 }
+
+uint64_t da_worker_idle_sleeps(const da_worker *w) { return __atomic_load_n(&w->idle_sleeps, __ATOMIC_RELAXED); }
 
 void da_worker_fail_from(da_worker *w, uint64_t n) {
   pthread_mutex_lock(&w->mu);

@@ -5,7 +5,8 @@
  * refused; hostile rings (lengths past the slot, garbage state words, a request rewritten
  * after it was published, a bell never rung) that may only hurt their own connection; a
  * client SIGKILLed with calls in flight; calls timing out (their slots come back); the daemon
- * draining; no doorbell where none is offered. Which transport carried the requests is read
+ * draining; no doorbell where none is offered; the loop and the backend worker spinning
+ * through a client's compute between calls. Which transport carried the requests is read
  * from /metrics (detattn_requests_by_transport_total).
  *
  * Each tcase is its own ctest (CK_RUN_CASE); every test starts its own daemon.
@@ -765,6 +766,48 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
 }
 END_TEST
 
+/* With --worker-spin-max-us the backend worker follows the gaps between batches as the loop
+ * follows a ring: out of work, it spins for half again its last idle gap before it sleeps. Read
+ * from detattn_worker_idle_sleeps_total; the gaps where the test asserts are hundreds of ms
+ * apart. */
+#define WORKER_SLEEPS "detattn_worker_idle_sleeps_total"
+START_TEST(the_worker_spins_through_a_clients_compute_between_calls) {
+  static const char *const extra[] = {"--worker-spin-us", "1000", "--worker-spin-max-us", "1000000", NULL};
+  start(extra);
+  detattn_client *c = connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 20000);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  bufs b;
+  bufs_init(&b, c, 1);
+  outs w = {0};
+  uint64_t seq;
+  uint32_t pos = 0, one = 1;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  /* 400 ms of "compute": the worker sleeps after 1 ms, and learns the gap. */
+  da_test_sleep_ms(400);
+  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  const double s1 = metric(WORKER_SLEEPS);
+  ck_assert_msg(s1 >= 1, "%.0f idle sleeps after a 400 ms gap", s1);
+  /* Now it spins ~600 ms after each batch: a batch ~20 ms later is caught awake. */
+  da_test_sleep_ms(20);
+  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  const double s2 = metric(WORKER_SLEEPS);
+  ck_assert_msg(s2 == s1, "a batch 20 ms after the last found the worker asleep (%.0f -> %.0f sleeps) while it "
+                          "followed a 400 ms gap", s1, s2);
+  /* That gap was ~20 ms: 800 ms on, the worker sleeps again. */
+  da_test_sleep_ms(800);
+  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  const double s3 = metric(WORKER_SLEEPS);
+  ck_assert_msg(s3 == s2 + 1, "after an 800 ms gap that followed a 20 ms one: %.0f -> %.0f sleeps", s2, s3);
+  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
+  bufs_fini(&b);
+  free(w.p);
+  detattn_close(c);
+  stop_clean();
+}
+END_TEST
+
 /* ---- killed, timed out, drained ---- */
 
 /* The child: a doorbell client with big Forwards by reference in flight, then killed. */
@@ -1012,6 +1055,7 @@ static Suite *doorbell_suite(void) {
       {"handover", ring_hand_overs_are_checked},
       {"hostile", hostile_slots_only_hurt_their_own_ring},
       {"follows", the_loop_scans_through_a_clients_compute_between_calls},
+      {"worker_follows", the_worker_spins_through_a_clients_compute_between_calls},
       {"killed", a_client_killed_with_doorbell_calls_in_flight_leaves_nothing_behind},
       {"deadline", a_doorbell_call_past_its_deadline_fails_and_its_slot_comes_back},
       {"drain", a_draining_daemon_answers_unavailable_through_the_ring},
