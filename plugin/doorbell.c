@@ -35,6 +35,7 @@ struct da_ring {
   uint32_t slots, req_bytes, rep_bytes;
   uint64_t spin_ns;
   int adaptive;     /* the spin follows the last call's wait (da_ring_spin_budget) */
+  da_spin_guard guard; /* unless a spin's yield came back late lately (doorbell_ring.h) */
   uint64_t last_ns; /* atomic: how long the ring's last answered call waited */
   int waiters;      /* atomic: calls in da_ring_wait */
   int dead;        /* atomic: da_ring_lost was called */
@@ -71,6 +72,7 @@ int da_ring_create(da_ring **out, uint32_t slots, uint32_t request_bytes, uint32
   r->rep_bytes = reply_bytes;
   r->size = da_ring_bytes(slots, request_bytes, reply_bytes);
   r->spin_ns = spin_us > 0 ? (uint64_t)spin_us * 1000u : 0;
+  r->guard.late_ns = DA_SPIN_LATE_NS;
   r->adaptive = sysconf(_SC_NPROCESSORS_ONLN) >= DA_RING_ADAPTIVE_CPUS;
   int st;
   if (!(r->abandoned = calloc(slots, 1))) {
@@ -243,6 +245,7 @@ static int wait_slot(da_ring *r, da_ring_slot *s, uint32_t slot, uint64_t deadli
     }
     if (now < until) {
       sched_yield(); /* on a busy machine the daemon's threads run first */
+      if (da_spin_guard_late(&r->guard, now, da_now_ns())) until = 0;
       continue;
     }
     /* Dekker with the daemon's reply: it publishes DONE, then reads waiting. */
@@ -257,7 +260,8 @@ int da_ring_wait(da_ring *r, uint32_t slot, uint64_t deadline_ns, nng_msg **repl
   const uint64_t t0 = da_now_ns();
   const int others = __atomic_fetch_add(&r->waiters, 1, __ATOMIC_ACQ_REL);
   const uint64_t spin =
-      da_ring_spin_budget(r->spin_ns, r->adaptive, others, __atomic_load_n(&r->last_ns, __ATOMIC_RELAXED));
+      da_ring_spin_budget(r->spin_ns, r->adaptive && da_spin_guard_calm(&r->guard, t0), others,
+                          __atomic_load_n(&r->last_ns, __ATOMIC_RELAXED));
   uint64_t done_ns = 0;
   int st = wait_slot(r, slot_at(r, slot), slot, deadline_ns, spin ? t0 + spin : 0, &done_ns, reply, msg, msglen);
   __atomic_fetch_sub(&r->waiters, 1, __ATOMIC_ACQ_REL);

@@ -116,4 +116,38 @@ static inline uint64_t da_ring_spin_follow(uint64_t spin_ns, uint64_t max_ns, ui
   return t > spin_ns ? t : spin_ns;
 }
 
+/*
+ * A spinner yields its core on every empty turn, so whoever is runnable there goes first.
+ * When a yield comes back late, another thread ran a time slice on that core: the machine has
+ * no idle core, and a spin that follows a long gap only takes turns from the threads it waits
+ * for (an H200 host's 16 cores, 16 clients each busy between calls: a following loop and
+ * worker raised the clients' layer call p50 from ~105 to ~255 us and p99 to 25 ms; NOTES.md
+ * v5.28). So a yield late by late_ns (DA_SPIN_LATE_NS unless configured) ends the spin, and
+ * for DA_SPIN_CALM_NS after it no spin follows a gap: the fixed spin only. One guard per
+ * spinning thread (the client's ring is shared by its calling threads: its fields are read
+ * and written atomically).
+ */
+#define DA_SPIN_LATE_NS 200000ull
+#define DA_SPIN_CALM_NS 1000000000ull
+
+typedef struct da_spin_guard {
+  uint64_t late_ns;   /* a yield back this late gives way (0: never) */
+  uint64_t calm_from; /* no following before this time */
+  uint64_t late;      /* late yields, ever */
+} da_spin_guard;
+
+/* Whether a spin may follow a gap at time now. */
+static inline int da_spin_guard_calm(const da_spin_guard *g, uint64_t now) {
+  return now >= __atomic_load_n(&g->calm_from, __ATOMIC_RELAXED);
+}
+
+/* t0, t1: the clock before and after one yield of a spin. Returns 1 if the yield came back
+ * late: the caller stops spinning. */
+static inline int da_spin_guard_late(da_spin_guard *g, uint64_t t0, uint64_t t1) {
+  if (g->late_ns == 0 || t1 - t0 < g->late_ns) return 0;
+  __atomic_store_n(&g->calm_from, t1 + DA_SPIN_CALM_NS, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&g->late, 1, __ATOMIC_RELAXED);
+  return 1;
+}
+
 #endif /* DA_DOORBELL_RING_H */

@@ -91,8 +91,10 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
     da_doorbell_counts_get(d->doorbell, &dc);
     s->doorbell_rings = dc.rings;
     s->doorbell_wakeups = dc.wakeups;
+    s->late_yields[0] = dc.late;
   }
   s->worker_idle_sleeps = da_worker_idle_sleeps(d->worker);
+  s->late_yields[1] = da_worker_late_yields(d->worker);
   s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
   s->now_ns = now;
   s->start_ns = d->start_ns;
@@ -932,7 +934,7 @@ static int start(da_daemon *d) {
   /* Following the gap between batches (the client's turn-around and compute) saves the
    * worker's wake-up per layer call: NOTES.md v5.28. */
   if (worker_spin_max < 0) worker_spin_max = many_cpus ? 2000 : 0;
-  da_worker_set_spin(d->worker, worker_spin, worker_spin_max);
+  da_worker_set_spin(d->worker, worker_spin, worker_spin_max, c->spin_late_us);
   if (c->fail_after_batches > 0) {
     da_worker_fail_from(d->worker, (uint64_t)c->fail_after_batches);
     da_log_warn("test setting: batch %d and every later one fail as an injected device failure",
@@ -976,7 +978,7 @@ static int start(da_daemon *d) {
     int spin_max = c->doorbell_spin_max_us;
     if (spin_max < 0) spin_max = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2000 : 0;
     da_doorbell_cfg dc = {.loop = &d->loop, .limits = tc.limits, .spin_us = c->doorbell_spin_us,
-                          .spin_max_us = spin_max,
+                          .spin_max_us = spin_max, .spin_late_us = c->spin_late_us,
                           .max_ring_bytes = (uint64_t)c->max_arena_bytes, .request = on_ring_request,
                           .scanned = on_ring_scanned, .arg = d};
     if ((rv = da_doorbell_open(&d->doorbell, &dc, err, sizeof(err))) != 0) {

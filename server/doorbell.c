@@ -55,6 +55,7 @@ struct da_doorbell {
   da_ring *rings, *active;
   uint32_t next_id;
   da_doorbell_counts counts;
+  da_spin_guard guard; /* the loop's spin yields (doorbell_ring.h) */
 };
 
 static da_ring_slot *slot_at(const da_ring *r, uint32_t i) {
@@ -193,7 +194,7 @@ static int scan(da_doorbell *db, da_ring *r) {
 static void on_idle(uv_idle_t *h) {
   da_doorbell *db = (da_doorbell *)((char *)h - offsetof(da_doorbell, idle));
   const uint64_t now = da_now_ns(), spin0 = (uint64_t)db->cfg.spin_us * 1000u;
-  const uint64_t spin_max = (uint64_t)db->cfg.spin_max_us * 1000u;
+  const uint64_t spin_max = da_spin_guard_calm(&db->guard, now) ? (uint64_t)db->cfg.spin_max_us * 1000u : 0;
   int took = 0;
   /* Detached while it is walked: a request taken may activate rings (they join db->active). */
   da_ring *list = db->active;
@@ -225,7 +226,13 @@ static void on_idle(uv_idle_t *h) {
   }
   if (db->active == NULL) uv_idle_stop(&db->idle);
   if (took) db->cfg.scanned(db->cfg.arg);
-  else sched_yield(); /* spinning: let the worker or a client run first on a busy machine */
+  else if (db->active) {
+    /* Spinning: the worker or a client runs first on a busy machine; late back, following
+     * stops for a while and the rings past the fixed spin sleep at the next turn. */
+    const uint64_t t1 = da_now_ns();
+    sched_yield();
+    da_spin_guard_late(&db->guard, t1, da_now_ns());
+  }
 }
 
 /* The client rang: drain the eventfd (never blocking: RWF_NOWAIT, whatever the client did to
@@ -260,6 +267,7 @@ int da_doorbell_open(da_doorbell **out, const da_doorbell_cfg *cfg, char *err, s
     return DETATTN_RESOURCE_EXHAUSTED;
   }
   db->cfg = *cfg;
+  db->guard.late_ns = cfg->spin_late_us > 0 ? (uint64_t)cfg->spin_late_us * 1000u : 0;
   db->next_id = 1;
   uv_idle_init(cfg->loop, &db->idle);
   db->handles = 1;
@@ -491,4 +499,7 @@ void da_doorbell_client_gone(da_doorbell *db, uint32_t client) {
   uv_poll_stop(&r->poll);
 }
 
-void da_doorbell_counts_get(const da_doorbell *db, da_doorbell_counts *out) { *out = db->counts; }
+void da_doorbell_counts_get(const da_doorbell *db, da_doorbell_counts *out) {
+  *out = db->counts;
+  out->late = db->guard.late;
+}

@@ -46,6 +46,7 @@ typedef struct da_doorbell_cfg {
   int spin_us;             /* scan every loop turn for this long after a ring's last activity */
   int spin_max_us;         /* or, after a reply, up to this long: 1.5x the ring's last gap from a reply
                             * to its next request (da_ring_spin_follow); 0: spin_us only */
+  int spin_late_us;        /* a spin's yield back this late gives way (da_spin_guard); 0: never */
   uint64_t max_ring_bytes; /* largest ring (--max-arena-bytes) */
   /* A request taken from ring (of connection client) at slot: w is decoded (w->status says
    * whether validation passed); the callee may move it out (then zeroes it). The route
@@ -63,6 +64,7 @@ typedef struct da_doorbell_counts {
   uint64_t requests; /* taken */
   uint64_t wakeups;  /* eventfd wake-ups of a sleeping ring */
   uint64_t refused;  /* hand-overs refused */
+  uint64_t late;     /* the loop's spin yields that came back late (no idle core) */
 } da_doorbell_counts;
 
 int da_doorbell_open(da_doorbell **out, const da_doorbell_cfg *cfg, char *err, size_t errlen);

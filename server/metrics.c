@@ -135,6 +135,11 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
        "Times the backend worker, out of work, slept before its next batch (a batch handed over while it "
        "spun needed no wake-up).");
   put(&b, "detattn_worker_idle_sleeps_total %llu\n", (unsigned long long)s->worker_idle_sleeps);
+  head(&b, "detattn_spin_late_yields_total", "counter",
+       "Times a spinning thread's yield came back late (another thread ran on its core: no idle core); each "
+       "ends that spin, and for 1 s no spin follows a client's gap.");
+  put(&b, "detattn_spin_late_yields_total{thread=\"loop\"} %llu\n", (unsigned long long)s->late_yields[0]);
+  put(&b, "detattn_spin_late_yields_total{thread=\"worker\"} %llu\n", (unsigned long long)s->late_yields[1]);
   head(&b, "detattn_request_duration_seconds", "histogram",
        "Time from a request's receipt to its reply, by op (queueing and batching included).");
   for (int op = 1; op < DA_OP_COUNT; op++) {

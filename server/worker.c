@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#include "doorbell_ring.h" /* da_ring_spin_follow */
+#include "doorbell_ring.h" /* da_ring_spin_follow, da_spin_guard */
 
 /* How long the worker waits for a submitted batch's ready notification before it calls
  * finish anyway (finish then waits on the device itself): a backend whose notification
@@ -44,6 +44,7 @@ struct da_worker {
   uint64_t spin_max_ns; /* or half again the last idle gap, up to this (0: spin_ns only) */
   uint64_t idle_gap_ns; /* worker thread: the last idle period, its start to the next batch */
   uint64_t idle_sleeps; /* idle periods that ended asleep: written by the worker, read atomically */
+  da_spin_guard guard;  /* the spin's late yields */
   unsigned handed;  /* batches handed over, ever: written under mu, read atomically by the spin */
 };
 
@@ -128,8 +129,10 @@ static void spin_for_work(da_worker *w, uint64_t spin_ns) {
   uint64_t until = da_now_ns() + spin_ns;
   pthread_mutex_unlock(&w->mu);
   while (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) == seen && !__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
+    const uint64_t t0 = da_now_ns();
     sched_yield(); /* whoever has work runs first */
-    if (da_now_ns() >= until) break;
+    const uint64_t t1 = da_now_ns();
+    if (t1 >= until || da_spin_guard_late(&w->guard, t0, t1)) break;
   }
   pthread_mutex_lock(&w->mu);
 }
@@ -214,9 +217,11 @@ static void *run(void *p) {
     if (idle_t == 0) idle_t = da_now_ns();
     if (w->spin_ns > 0 && !spun) {
       /* A serving loop hands over its layers at a steady rhythm: spin through the last gap
-       * (and half again), the same rule as the doorbell's ends. */
+       * (and half again), the same rule as the doorbell's ends, unless a yield came back
+       * late (doorbell_ring.h: no idle core). */
       spun = 1;
-      spin_for_work(w, da_ring_spin_follow(w->spin_ns, w->spin_max_ns, w->idle_gap_ns));
+      const uint64_t max = da_spin_guard_calm(&w->guard, da_now_ns()) ? w->spin_max_ns : 0;
+      spin_for_work(w, da_ring_spin_follow(w->spin_ns, max, w->idle_gap_ns));
       continue;
     }
     slept = 1;
@@ -266,14 +271,17 @@ void da_worker_stop(da_worker *w) {
   free(w);
 }
 
-void da_worker_set_spin(da_worker *w, int spin_us, int spin_max_us) {
+void da_worker_set_spin(da_worker *w, int spin_us, int spin_max_us, int late_us) {
   pthread_mutex_lock(&w->mu);
   w->spin_ns = spin_us > 0 ? (uint64_t)spin_us * 1000u : 0;
   w->spin_max_ns = spin_max_us > 0 ? (uint64_t)spin_max_us * 1000u : 0;
+  w->guard.late_ns = late_us > 0 ? (uint64_t)late_us * 1000u : 0;
   pthread_mutex_unlock(&w->mu);
 }
 
 uint64_t da_worker_idle_sleeps(const da_worker *w) { return __atomic_load_n(&w->idle_sleeps, __ATOMIC_RELAXED); }
+
+uint64_t da_worker_late_yields(const da_worker *w) { return __atomic_load_n(&w->guard.late, __ATOMIC_RELAXED); }
 
 void da_worker_fail_from(da_worker *w, uint64_t n) {
   pthread_mutex_lock(&w->mu);

@@ -20,10 +20,12 @@ ROUNDS=${ROUNDS:-1}
 export PLANES=${PLANES:-cuda}
 [ -n "${VARIANTS:-}" ] || { echo "VARIANTS is required, e.g. \"old=--doorbell-spin-max-us 0;new=\""; exit 2; }
 mkdir -p "$OUT"
-if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
-  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
+if [ -f .devdeps/unpack.sh ]; then # the libraries the binaries load, built now or before
   eval "$(bash .devdeps/unpack.sh)"
   sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
+fi
+if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
+  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
   cmake -S . -B "$build" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
     > "$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
   cmake --build "$build" --target detattnd detattn_step_bench -j16 > "$OUT/build.log" 2>&1 ||
@@ -39,9 +41,10 @@ for shape in $SHAPES; do
   export B=${shape%%:*} L=${shape##*:}
   for mlp in $MLPS; do
     for ((r = 0; r < ROUNDS; r++)); do
-      for k in "${order[@]}"; do
+      for ((pos = 0; pos < ${#order[@]}; pos++)); do
+        k=${order[$pos]}
         name=${variants[$k]%%=*} flags=${variants[$k]#*=}
-        row=$(OUT="$OUT/run-$B-$L-$mlp-$name-$r" EXTRA_DAEMON_FLAGS="$flags" \
+        row=$(OUT="$OUT/run-$B-$L-$mlp-$name-$r-$pos" EXTRA_DAEMON_FLAGS="$flags" \
           EXTRA_BENCH_FLAGS="--mlp-us $mlp ${EXTRA_BENCH_FLAGS:-}" bash clients/stepbench/gpu_breakdown.sh "$build" | tail -1)
         echo "$B $L $mlp $name $row" | tee -a "$res"
       done

@@ -23,10 +23,12 @@ ROUNDS=${ROUNDS:-1}
 PLANE=${PLANE:-cuda}
 [ -n "${VARIANTS:-}" ] || { echo "VARIANTS is required, e.g. \"off=--doorbell-spin-max-us 0;auto=\""; exit 2; }
 mkdir -p "$OUT"
-if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
-  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
+if [ -f .devdeps/unpack.sh ]; then # the libraries the binaries load, built now or before
   eval "$(bash .devdeps/unpack.sh)"
   sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
+fi
+if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
+  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
   cmake -S . -B "$build" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
     > "$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
   cmake --build "$build" --target detattnd detattn_step_bench -j16 > "$OUT/build.log" 2>&1 ||
@@ -43,9 +45,10 @@ res="$OUT/multi.txt"
 tick=$(getconf CLK_TCK)
 for n in $NS; do
   for ((r = 0; r < ROUNDS; r++)); do
-    for k in "${order[@]}"; do
+    for ((pos = 0; pos < ${#order[@]}; pos++)); do
+      k=${order[$pos]}
       name=${variants[$k]%%=*} flags=${variants[$k]#*=}
-      run="$OUT/run-$n-$name-$r"
+      run="$OUT/run-$n-$name-$r-$pos"
       mkdir -p "$run"
       : > "$run/daemon.log"
       # shellcheck disable=SC2086
@@ -54,6 +57,7 @@ for n in $NS; do
         --split-tokens 512 --max-conn-per-peer 1000 --http-listen http://127.0.0.1:9478 $flags 2> "$run/daemon.log" &
       pid=$!
       for _ in $(seq 600); do grep -q "listening on" "$run/daemon.log" && break; sleep 0.1; done
+      kill -0 "$pid" 2> /dev/null || { echo "detattnd exited:"; tail -5 "$run/daemon.log"; exit 1; }
       cpu0=$(awk '{print $14 + $15}' "/proc/$pid/stat")
       t0=$(date +%s.%N)
       pids=()

@@ -6,7 +6,7 @@
  * after it was published, a bell never rung) that may only hurt their own connection; a
  * client SIGKILLed with calls in flight; calls timing out (their slots come back); the daemon
  * draining; no doorbell where none is offered; the loop and the backend worker spinning
- * through a client's compute between calls. Which transport carried the requests is read
+ * through a client's compute between calls, and giving way where no core is idle. Which transport carried the requests is read
  * from /metrics (detattn_requests_by_transport_total).
  *
  * Each tcase is its own ctest (CK_RUN_CASE); every test starts its own daemon.
@@ -16,6 +16,7 @@
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -729,9 +730,11 @@ END_TEST
  * scans a ring for half again the last gap from a reply to the ring's next request, so a
  * request published within that after a reply is taken without the bell; past it, with
  * nothing new, the ring sleeps again and a request without the bell waits. The gaps are
- * hundreds of ms where the test asserts, so a slow machine cannot flip them. */
+ * hundreds of ms where the test asserts, so a slow machine cannot flip them; --spin-late-us 0,
+ * as a busy test machine's late yields would end the spin (give_way tests that). */
 START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
-  static const char *const extra[] = {"--doorbell-spin-us", "1000", "--doorbell-spin-max-us", "1000000", NULL};
+  static const char *const extra[] = {"--doorbell-spin-us", "1000", "--doorbell-spin-max-us", "1000000",
+                                      "--spin-late-us", "0", NULL};
   start(extra);
   da_raw r;
   da_raw_open(&r, D.url);
@@ -769,10 +772,11 @@ END_TEST
 /* With --worker-spin-max-us the backend worker follows the gaps between batches as the loop
  * follows a ring: out of work, it spins for half again its last idle gap before it sleeps. Read
  * from detattn_worker_idle_sleeps_total; the gaps where the test asserts are hundreds of ms
- * apart. */
+ * apart (--spin-late-us 0, as above). */
 #define WORKER_SLEEPS "detattn_worker_idle_sleeps_total"
 START_TEST(the_worker_spins_through_a_clients_compute_between_calls) {
-  static const char *const extra[] = {"--worker-spin-us", "1000", "--worker-spin-max-us", "1000000", NULL};
+  static const char *const extra[] = {"--worker-spin-us", "1000", "--worker-spin-max-us", "1000000",
+                                      "--spin-late-us", "0", NULL};
   start(extra);
   detattn_client *c = connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 20000);
   da_rng r;
@@ -800,6 +804,70 @@ START_TEST(the_worker_spins_through_a_clients_compute_between_calls) {
   fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
   const double s3 = metric(WORKER_SLEEPS);
   ck_assert_msg(s3 == s2 + 1, "after an 800 ms gap that followed a 20 ms one: %.0f -> %.0f sleeps", s2, s3);
+  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
+  bufs_fini(&b);
+  free(w.p);
+  detattn_close(c);
+  stop_clean();
+}
+END_TEST
+
+/* Busy threads for the test below: each spins until stop or its own deadline. */
+typedef struct busy {
+  int stop; /* atomic */
+  uint64_t until_ns;
+} busy;
+
+static void *busy_main(void *p) {
+  busy *b = p;
+  volatile uint64_t x = 0;
+  while (!__atomic_load_n(&b->stop, __ATOMIC_RELAXED) && da_now_ns() < b->until_ns)
+    for (int i = 0; i < 10000; i++) x += (uint64_t)i;
+  return NULL;
+}
+
+/* On a machine with no idle core a spin's yields come back late (another thread ran its time
+ * slice there), and the loop and the worker give way (doorbell_ring.h, da_spin_guard): their
+ * late yields are counted in detattn_spin_late_yields_total, and the calls go on. Two busy
+ * threads per CPU this process may run on, for at most 10 s, while a doorbell client calls
+ * every 20 ms. */
+#define LATE_LOOP "detattn_spin_late_yields_total{thread=\"loop\"}"
+#define LATE_WORKER "detattn_spin_late_yields_total{thread=\"worker\"}"
+START_TEST(spins_give_way_when_no_core_is_idle) {
+  static const char *const extra[] = {"--doorbell-spin-max-us", "1000000", "--worker-spin-us", "1000",
+                                      "--worker-spin-max-us", "1000000", NULL};
+  start(extra);
+  detattn_client *c = connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 30000);
+  ck_assert_int_eq(detattn_doorbell_get(c), DETATTN_DOORBELL_ON);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  bufs b;
+  bufs_init(&b, c, 1);
+  outs w = {0};
+  uint64_t seq;
+  uint32_t pos = 0, one = 1;
+  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  /* Calls 50 ms apart: the loop and the worker follow that gap. */
+  for (int i = 0; i < 3; i++) {
+    fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+    da_test_sleep_ms(50);
+  }
+  cpu_set_t cpus;
+  ck_assert_int_eq(sched_getaffinity(0, sizeof cpus, &cpus), 0);
+  const int n = 2 * CPU_COUNT(&cpus);
+  busy bz = {0, da_now_ns() + 10000000000ull};
+  pthread_t th[2 * CPU_SETSIZE];
+  for (int i = 0; i < n; i++) ck_assert_int_eq(pthread_create(&th[i], NULL, busy_main, &bz), 0);
+  double loop = 0, worker = 0;
+  for (int i = 0; i < 100 && (loop == 0 || worker == 0) && da_now_ns() < bz.until_ns; i++) {
+    da_test_sleep_ms(20);
+    fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+    if (i % 10 == 9) loop = metric(LATE_LOOP), worker = metric(LATE_WORKER);
+  }
+  __atomic_store_n(&bz.stop, 1, __ATOMIC_RELAXED);
+  for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
+  ck_assert_msg(loop > 0 && worker > 0, "%d busy threads: %.0f late yields of the loop, %.0f of the worker", n, loop,
+                worker);
   ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
   bufs_fini(&b);
   free(w.p);
@@ -1056,6 +1124,7 @@ static Suite *doorbell_suite(void) {
       {"hostile", hostile_slots_only_hurt_their_own_ring},
       {"follows", the_loop_scans_through_a_clients_compute_between_calls},
       {"worker_follows", the_worker_spins_through_a_clients_compute_between_calls},
+      {"give_way", spins_give_way_when_no_core_is_idle},
       {"killed", a_client_killed_with_doorbell_calls_in_flight_leaves_nothing_behind},
       {"deadline", a_doorbell_call_past_its_deadline_fails_and_its_slot_comes_back},
       {"drain", a_draining_daemon_answers_unavailable_through_the_ring},
