@@ -5,7 +5,8 @@
 # order, then in reverse (a b b a), ROUNDS times. What a spinning loop or worker costs when
 # every client computes between calls: the clients' layer call p50 (median and worst of the
 # N), their decode tokens/s summed, the daemon's CPU time over the run's wall time, and from
-# /metrics the worker's idle sleeps and the doorbell's eventfd wake-ups.
+# /metrics the worker's idle sleeps, the doorbell's eventfd wake-ups and the spins' late yields
+# (loop / worker).
 # Usage: VARIANTS="off=--doorbell-spin-max-us 0 --worker-spin-max-us 0;auto=" \
 #          bash clients/stepbench/gpu_multi.sh [BUILD_DIR]   (on the GPU machine; $OUT)
 # Environment: VARIANTS (required), NS ("1 4 8 16"), B (4), L (2048), MLP (400), STEPS (300),
@@ -84,12 +85,15 @@ p50 = sorted(j["layer_call_us_p50"] for j in js)
 tps = sum(j["decode_tokens_per_s"] for j in js)
 m = {}
 for line in open(f"{run}/metrics.txt"):
-    f = re.match(r"(detattn_worker_idle_sleeps_total|detattn_doorbell_wakeups_total) (\S+)", line)
+    f = re.match(r"(detattn_worker_idle_sleeps_total|detattn_doorbell_wakeups_total|"
+                 r'detattn_spin_late_yields_total\{thread="\w+"\}) (\S+)', line)
     if f:
         m[f.group(1)] = float(f.group(2))
+late = "/".join("%.0f" % m.get('detattn_spin_late_yields_total{thread="%s"}' % t, float("nan")) for t in ("loop", "worker"))
 cpu = (float(cpu1) - float(cpu0)) / float(tick) / (float(t1) - float(t0))
 print(f"| {p50[len(p50) // 2]:.0f} | {p50[-1]:.0f} | {tps:.0f} | {cpu:.2f} | "
-      f"{m.get('detattn_worker_idle_sleeps_total', float('nan')):.0f} | {m.get('detattn_doorbell_wakeups_total', float('nan')):.0f} |")
+      f"{m.get('detattn_worker_idle_sleeps_total', float('nan')):.0f} | {m.get('detattn_doorbell_wakeups_total', float('nan')):.0f} | "
+      f"{late} |")
 PY
 )
       echo "$n $name $row" | tee -a "$res"
@@ -97,7 +101,8 @@ PY
   done
 done
 echo "N clients (B $B, L $L, busy $MLP us between layer calls, $PLANE plane): layer call p50 us median / worst of" \
-  "the clients | decode tokens/s summed | daemon CPU s per s | worker idle sleeps | doorbell wake-ups"
+  "the clients | decode tokens/s summed | daemon CPU s per s | worker idle sleeps | doorbell wake-ups | late yields" \
+  "loop/worker"
 python3 - "$res" "$VARIANTS" <<'PY'
 import collections, sys
 names = [v.split("=", 1)[0] for v in sys.argv[2].split(";")]
