@@ -3,8 +3,8 @@
 # detattn-step-bench processes decode at once (each its own sequences and seed, --mlp-us MLP
 # of busy time between layer calls), against a fresh daemon per run; each variant's flags in
 # order, then in reverse (a b b a), ROUNDS times. What a spinning loop or worker costs when
-# every client computes between calls: the clients' layer call p50 (median and worst of the
-# N), their decode tokens/s summed, the daemon's CPU time over the run's wall time, and from
+# every client computes between calls: the clients' layer call p50 and p99 (median and worst
+# of the N), their decode tokens/s summed, the daemon's CPU time over the run's wall time, and from
 # /metrics the worker's idle sleeps, the doorbell's eventfd wake-ups and the spins' late yields
 # (loop / worker).
 # Usage: VARIANTS="off=--doorbell-spin-max-us 0 --worker-spin-max-us 0;auto=" \
@@ -82,6 +82,7 @@ if len(js) != int(n):
     print(f"| {len(js)} of {n} clients reported (see {run}/clients.err) |")
     sys.exit()
 p50 = sorted(j["layer_call_us_p50"] for j in js)
+p99 = sorted(j["layer_call_us_p99"] for j in js)
 tps = sum(j["decode_tokens_per_s"] for j in js)
 m = {}
 for line in open(f"{run}/metrics.txt"):
@@ -91,7 +92,7 @@ for line in open(f"{run}/metrics.txt"):
         m[f.group(1)] = float(f.group(2))
 late = "/".join("%.0f" % m.get('detattn_spin_late_yields_total{thread="%s"}' % t, float("nan")) for t in ("loop", "worker"))
 cpu = (float(cpu1) - float(cpu0)) / float(tick) / (float(t1) - float(t0))
-print(f"| {p50[len(p50) // 2]:.0f} | {p50[-1]:.0f} | {tps:.0f} | {cpu:.2f} | "
+print(f"| {p50[len(p50) // 2]:.0f} | {p50[-1]:.0f} | {p99[len(p99) // 2]:.0f} | {p99[-1]:.0f} | {tps:.0f} | {cpu:.2f} | "
       f"{m.get('detattn_worker_idle_sleeps_total', float('nan')):.0f} | {m.get('detattn_doorbell_wakeups_total', float('nan')):.0f} | "
       f"{late} |")
 PY
@@ -101,7 +102,7 @@ PY
   done
 done
 echo "N clients (B $B, L $L, busy $MLP us between layer calls, $PLANE plane): layer call p50 us median / worst of" \
-  "the clients | decode tokens/s summed | daemon CPU s per s | worker idle sleeps | doorbell wake-ups | late yields" \
+  "the clients, p99 us median / worst | decode tokens/s summed | daemon CPU s per s | worker idle sleeps | doorbell wake-ups | late yields" \
   "loop/worker"
 python3 - "$res" "$VARIANTS" <<'PY'
 import collections, sys
@@ -117,6 +118,7 @@ print("|--:|" + "---|" * len(names))
 for n, by in runs.items():
     cells = []
     for name in names:
-        cells.append(" ; ".join("/".join(c[:2]) + " " + " ".join(c[2:]) for c in by.get(name, [])))
+        cells.append(" ; ".join("/".join(c[:2]) + " " + "/".join(c[2:4]) + " " + " ".join(c[4:])
+                                for c in by.get(name, [])))
     print(f"| {n} | " + " | ".join(cells) + " |")
 PY
