@@ -18,6 +18,7 @@
 #include "da.h"
 #include "detattn.h"
 #include "detattn.pb-c.h"
+#include "doorbell_ring.h"
 #include "testutil.h"
 
 typedef Detattn__V1__Request Request;
@@ -583,6 +584,26 @@ START_TEST(doorbell_spin_follows_the_last_call) {
 }
 END_TEST
 
+/* A spin's yield that comes back late ends the spin and stops following for DA_SPIN_CALM_NS
+ * (doorbell_ring.h); late_ns 0 never gives way. */
+START_TEST(a_late_yield_stops_the_following_for_a_while) {
+  const uint64_t us = 1000, t = 5000000000ull;
+  da_spin_guard g = {.late_ns = DA_SPIN_LATE_NS};
+  ck_assert(da_spin_guard_calm(&g, t));
+  ck_assert(!da_spin_guard_late(&g, t, t + DA_SPIN_LATE_NS - 1)); /* in time */
+  ck_assert(da_spin_guard_calm(&g, t + 1000 * us));
+  ck_assert(da_spin_guard_late(&g, t, t + DA_SPIN_LATE_NS)); /* late: gives way */
+  ck_assert_uint_eq(g.late, 1);
+  ck_assert(!da_spin_guard_calm(&g, t + DA_SPIN_LATE_NS));
+  ck_assert(!da_spin_guard_calm(&g, t + DA_SPIN_LATE_NS + DA_SPIN_CALM_NS - 1));
+  ck_assert(da_spin_guard_calm(&g, t + DA_SPIN_LATE_NS + DA_SPIN_CALM_NS));
+  da_spin_guard never = {.late_ns = 0};
+  ck_assert(!da_spin_guard_late(&never, t, t + 10 * DA_SPIN_CALM_NS));
+  ck_assert(da_spin_guard_calm(&never, t));
+  ck_assert_uint_eq(never.late, 0);
+}
+END_TEST
+
 static Suite *plugin_suite(void) {
   Suite *s = suite_create("plugin");
   TCase *t = tcase_create("fake_daemon");
@@ -590,6 +611,7 @@ static Suite *plugin_suite(void) {
   tcase_set_timeout(t, 20);
   tcase_add_test(t, hello_returns_the_daemon_model_and_fingerprint);
   tcase_add_test(t, doorbell_spin_follows_the_last_call);
+  tcase_add_test(t, a_late_yield_stops_the_following_for_a_while);
   tcase_add_test(t, forward_returns_outputs_of_every_item);
   tcase_add_test(t, daemon_status_and_message_reach_the_caller);
   tcase_add_test(t, forward_reply_of_wrong_length_is_internal_and_writes_nothing);
