@@ -20,21 +20,10 @@ ROUNDS=${ROUNDS:-1}
 export PLANES=${PLANES:-cuda}
 [ -n "${VARIANTS:-}" ] || { echo "VARIANTS is required, e.g. \"old=--doorbell-spin-max-us 0;new=\""; exit 2; }
 mkdir -p "$OUT"
-if [ -f .devdeps/unpack.sh ]; then # the libraries the binaries load, built now or before
-  eval "$(bash .devdeps/unpack.sh)"
-  sed -i 's|=/usr/|=/opt/devdeps/usr/|' /opt/devdeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
-fi
-if [ ! -x "$build/bin/detattnd" ] || [ ! -x "$build/bin/detattn-step-bench" ]; then
-  [ -f .devdeps/unpack.sh ] || { echo "no $build/bin/detattnd and no .devdeps to build it"; exit 1; }
-  cmake -S . -B "$build" -G Ninja -DDETATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
-    > "$OUT/configure.log" 2>&1 || { tail -20 "$OUT/configure.log"; exit 1; }
-  cmake --build "$build" --target detattnd detattn_step_bench -j16 > "$OUT/build.log" 2>&1 ||
-    { tail -20 "$OUT/build.log"; exit 1; }
-fi
+. clients/stepbench/gpu_common.sh
+step_bench_build "$build" "$OUT" || exit 1
 IFS=';' read -r -a variants <<< "$VARIANTS"
-order=()
-for ((k = 0; k < ${#variants[@]}; k++)); do order+=("$k"); done
-for ((k = ${#variants[@]} - 1; k >= 0; k--)); do order+=("$k"); done
+mapfile -t order < <(ab_order ${#variants[@]})
 res="$OUT/flags_ab.txt"
 : > "$res"
 for shape in $SHAPES; do

@@ -769,6 +769,37 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
 }
 END_TEST
 
+/* One sequence fed a token a call on layer 0: the spin tests' client. */
+typedef struct tokens {
+  detattn_client *c;
+  da_rng r;
+  bufs b;
+  outs w;
+  uint64_t seq;
+  uint32_t pos;
+} tokens;
+
+static void tokens_open(tokens *t, detattn_client *c) {
+  memset(t, 0, sizeof *t);
+  t->c = c;
+  da_rng_seed(&t->r, seed);
+  bufs_init(&t->b, c, 1);
+  ck_assert_int_eq(detattn_seq_open(c, &t->seq), DETATTN_OK);
+}
+
+static void tokens_call(tokens *t) {
+  uint32_t one = 1;
+  fwd(t->c, &t->b, &t->r, 0, &t->seq, &t->pos, &one, 1, &t->w);
+}
+
+/* Closes the sequence and the client. */
+static void tokens_close(tokens *t) {
+  ck_assert_int_eq(detattn_seq_close(t->c, t->seq), DETATTN_OK);
+  bufs_fini(&t->b);
+  free(t->w.p);
+  detattn_close(t->c);
+}
+
 /* With --worker-spin-max-us the backend worker follows the gaps between batches as the loop
  * follows a ring: out of work, it spins for half again its last idle gap before it sleeps. Read
  * from detattn_worker_idle_sleeps_total; the gaps where the test asserts are hundreds of ms
@@ -778,36 +809,26 @@ START_TEST(the_worker_spins_through_a_clients_compute_between_calls) {
   static const char *const extra[] = {"--worker-spin-us", "1000", "--worker-spin-max-us", "1000000",
                                       "--spin-late-us", "0", NULL};
   start(extra);
-  detattn_client *c = connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 20000);
-  da_rng r;
-  da_rng_seed(&r, seed);
-  bufs b;
-  bufs_init(&b, c, 1);
-  outs w = {0};
-  uint64_t seq;
-  uint32_t pos = 0, one = 1;
-  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
-  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  tokens t;
+  tokens_open(&t, connect_with(DETATTN_PLANE_COPY, DETATTN_DOORBELL_OFF, 20000));
+  tokens_call(&t);
   /* 400 ms of "compute": the worker sleeps after 1 ms, and learns the gap. */
   da_test_sleep_ms(400);
-  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  tokens_call(&t);
   const double s1 = metric(WORKER_SLEEPS);
   ck_assert_msg(s1 >= 1, "%.0f idle sleeps after a 400 ms gap", s1);
   /* Now it spins ~600 ms after each batch: a batch ~20 ms later is caught awake. */
   da_test_sleep_ms(20);
-  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  tokens_call(&t);
   const double s2 = metric(WORKER_SLEEPS);
   ck_assert_msg(s2 == s1, "a batch 20 ms after the last found the worker asleep (%.0f -> %.0f sleeps) while it "
                           "followed a 400 ms gap", s1, s2);
   /* That gap was ~20 ms: 800 ms on, the worker sleeps again. */
   da_test_sleep_ms(800);
-  fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+  tokens_call(&t);
   const double s3 = metric(WORKER_SLEEPS);
   ck_assert_msg(s3 == s2 + 1, "after an 800 ms gap that followed a 20 ms one: %.0f -> %.0f sleeps", s2, s3);
-  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
-  bufs_fini(&b);
-  free(w.p);
-  detattn_close(c);
+  tokens_close(&t);
   stop_clean();
 }
 END_TEST
@@ -837,19 +858,12 @@ START_TEST(spins_give_way_when_no_core_is_idle) {
   static const char *const extra[] = {"--doorbell-spin-max-us", "1000000", "--worker-spin-us", "1000",
                                       "--worker-spin-max-us", "1000000", NULL};
   start(extra);
-  detattn_client *c = connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 30000);
-  ck_assert_int_eq(detattn_doorbell_get(c), DETATTN_DOORBELL_ON);
-  da_rng r;
-  da_rng_seed(&r, seed);
-  bufs b;
-  bufs_init(&b, c, 1);
-  outs w = {0};
-  uint64_t seq;
-  uint32_t pos = 0, one = 1;
-  ck_assert_int_eq(detattn_seq_open(c, &seq), DETATTN_OK);
+  tokens t;
+  tokens_open(&t, connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 30000));
+  ck_assert_int_eq(detattn_doorbell_get(t.c), DETATTN_DOORBELL_ON);
   /* Calls 50 ms apart: the loop and the worker follow that gap. */
   for (int i = 0; i < 3; i++) {
-    fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+    tokens_call(&t);
     da_test_sleep_ms(50);
   }
   cpu_set_t cpus;
@@ -861,17 +875,14 @@ START_TEST(spins_give_way_when_no_core_is_idle) {
   double loop = 0, worker = 0;
   for (int i = 0; i < 100 && (loop == 0 || worker == 0) && da_now_ns() < bz.until_ns; i++) {
     da_test_sleep_ms(20);
-    fwd(c, &b, &r, 0, &seq, &pos, &one, 1, &w);
+    tokens_call(&t);
     if (i % 10 == 9) loop = metric(LATE_LOOP), worker = metric(LATE_WORKER);
   }
   __atomic_store_n(&bz.stop, 1, __ATOMIC_RELAXED);
   for (int i = 0; i < n; i++) pthread_join(th[i], NULL);
   ck_assert_msg(loop > 0 && worker > 0, "%d busy threads: %.0f late yields of the loop, %.0f of the worker", n, loop,
                 worker);
-  ck_assert_int_eq(detattn_seq_close(c, seq), DETATTN_OK);
-  bufs_fini(&b);
-  free(w.p);
-  detattn_close(c);
+  tokens_close(&t);
   stop_clean();
 }
 END_TEST
