@@ -122,10 +122,12 @@ static inline uint64_t da_ring_spin_follow(uint64_t spin_ns, uint64_t max_ns, ui
  * no idle core, and a spin that follows a long gap only takes turns from the threads it waits
  * for (an H200 host's 16 cores, 16 clients each busy between calls: a following loop and
  * worker raised the clients' layer call p50 from ~105 to ~255 us and p99 to 25 ms; NOTES.md
- * v5.28). So a yield late by late_ns (DA_SPIN_LATE_NS unless configured) ends the spin, and
- * for DA_SPIN_CALM_NS after it no spin follows a gap: the fixed spin only. One guard per
- * spinning thread (the client's ring is shared by its calling threads: its fields are read
- * and written atomically).
+ * v5.28). So a yield late by late_ns ends the spin, and for DA_SPIN_CALM_NS after it no spin
+ * follows a gap: the fixed spin only. The daemon's loop and worker take late_ns from
+ * --spin-late-us [1000: at 200 the guard tripped ~1,000 times a run with 16 busy clients and
+ * the tails were no shorter; NOTES.md v5.28], a client's ring DA_SPIN_LATE_NS (200 us, as
+ * measured). One guard per spinning thread (the client's ring is shared by its calling
+ * threads: its fields are read and written atomically).
  */
 #define DA_SPIN_LATE_NS 200000ull
 #define DA_SPIN_CALM_NS 1000000000ull

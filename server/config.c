@@ -109,7 +109,7 @@ static const setting table[] = {
     {"worker-spin-max-us", T_INT, F(worker_spin_max_us), -1, 1000000, NULL, "-1",
      "the worker spins up to this long: 1.5x its last idle gap (a client computing between calls); "
      "0: worker-spin-us only; -1: 2000 with 8+ online CPUs, else 0"},
-    {"spin-late-us", T_INT, F(spin_late_us), 0, 1000000, NULL, "200",
+    {"spin-late-us", T_INT, F(spin_late_us), 0, 1000000, NULL, "1000",
      "a spinning loop or worker whose yield comes back this late (no idle core) ends its spin, and for 1 s "
      "spins no longer than the fixed ones; 0: never"},
     {"tls-cert", T_STR, F(tls_cert), 0, 0, NULL, "", "tls+tcp: the daemon's certificate (PEM, may hold the chain)"},

@@ -851,12 +851,12 @@ static void *busy_main(void *p) {
  * slice there), and the loop and the worker give way (doorbell_ring.h, da_spin_guard): their
  * late yields are counted in detattn_spin_late_yields_total, and the calls go on. Two busy
  * threads per CPU this process may run on, for at most 10 s, while a doorbell client calls
- * every 20 ms. */
+ * every 20 ms; --spin-late-us 200, so that a scheduler's short slices count too. */
 #define LATE_LOOP "detattn_spin_late_yields_total{thread=\"loop\"}"
 #define LATE_WORKER "detattn_spin_late_yields_total{thread=\"worker\"}"
 START_TEST(spins_give_way_when_no_core_is_idle) {
   static const char *const extra[] = {"--doorbell-spin-max-us", "1000000", "--worker-spin-us", "1000",
-                                      "--worker-spin-max-us", "1000000", NULL};
+                                      "--worker-spin-max-us", "1000000", "--spin-late-us", "200", NULL};
   start(extra);
   tokens t;
   tokens_open(&t, connect_with(DETATTN_PLANE_SHM, DETATTN_DOORBELL_ON, 30000));
