@@ -976,7 +976,7 @@ static int start(da_daemon *d) {
      * B 32 L 4k 336-356 -> 266-274 us; NOTES.md v5.27); on 2 cores the spinning loop would
      * take the clients' turns, as the worker's spin did. */
     int spin_max = c->doorbell_spin_max_us;
-    if (spin_max < 0) spin_max = sysconf(_SC_NPROCESSORS_ONLN) >= 8 ? 2000 : 0;
+    if (spin_max < 0) spin_max = many_cpus ? 2000 : 0;
     da_doorbell_cfg dc = {.loop = &d->loop, .limits = tc.limits, .spin_us = c->doorbell_spin_us,
                           .spin_max_us = spin_max, .spin_late_us = c->spin_late_us,
                           .max_ring_bytes = (uint64_t)c->max_arena_bytes, .request = on_ring_request,
