@@ -520,6 +520,14 @@ static Detattn__V1__Response *rring_reply(rring *g, uint32_t i, int *code, char 
   return resp;
 }
 
+/* rq: a SeqOpen request with body so. */
+static void seq_open_request(Detattn__V1__Request *rq, Detattn__V1__SeqOpen *so) {
+  detattn__v1__request__init(rq);
+  detattn__v1__seq_open__init(so);
+  rq->op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
+  rq->seq_open = so;
+}
+
 /* The loop has let the ring sleep: rq published in slot 0 without the bell is not taken
  * until the bell rings, and is then answered OK. */
 static void expect_bell_needed(rring *g, Detattn__V1__Request *rq, const char *what) {
@@ -596,10 +604,9 @@ START_TEST(ring_hand_overs_are_checked) {
   da_raw_expect(rring_register(&r, &g, 0, &id2, &token2, msg, sizeof msg), msg, DETATTN_ALREADY_EXISTS, "second ring");
   ck_assert_int_eq(metric("detattn_doorbell_rings"), 1);
   /* The ring works: a request through it is its connection's. */
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
-  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
-  rq.seq_open = &so;
+  Detattn__V1__Request rq;
+  Detattn__V1__SeqOpen so;
+  seq_open_request(&rq, &so);
   Detattn__V1__Response *resp;
   da_raw_expect(rring_call(&g, 0, &rq, msg, sizeof msg, &resp), msg, DETATTN_OK, "seq_open through the ring");
   uint64_t seq = resp->seq_open->seq;
@@ -676,10 +683,9 @@ START_TEST(hostile_slots_only_hurt_their_own_ring) {
   /* Garbage state words stay as they are; the request beside them is answered. */
   const uint32_t garbage[] = {0xdeadbeefu, DA_RING_DONE, DA_RING_TAKEN, DA_RING_CLAIMED, DA_RING_LOST, 77};
   for (uint32_t i = 0; i < 6; i++) __atomic_store_n(&rslot(&g, i + 1)->state, garbage[i], __ATOMIC_SEQ_CST);
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
-  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
-  rq.seq_open = &so;
+  Detattn__V1__Request rq;
+  Detattn__V1__SeqOpen so;
+  seq_open_request(&rq, &so);
   da_raw_expect(rring_call(&g, 7, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "seq_open beside garbage");
   da_test_sleep_ms(20);
   for (uint32_t i = 0; i < 6; i++)
@@ -741,10 +747,9 @@ START_TEST(the_loop_scans_through_a_clients_compute_between_calls) {
   rring g;
   rring_ready(&r, &g);
   char msg[256];
-  Detattn__V1__Request rq = DETATTN__V1__REQUEST__INIT;
-  Detattn__V1__SeqOpen so = DETATTN__V1__SEQ_OPEN__INIT;
-  rq.op_case = DETATTN__V1__REQUEST__OP_SEQ_OPEN;
-  rq.seq_open = &so;
+  Detattn__V1__Request rq;
+  Detattn__V1__SeqOpen so;
+  seq_open_request(&rq, &so);
   da_raw_expect(rring_call(&g, 0, &rq, msg, sizeof msg, NULL), msg, DETATTN_OK, "first call");
   /* 400 ms of "compute": the loop sleeps after 1 ms; the bell wakes it, and it learns the gap. */
   da_test_sleep_ms(400);
