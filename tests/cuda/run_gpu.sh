@@ -23,6 +23,9 @@
 # size of CFGS ("S:page ...", default S 512 / 1024 / 2048 at pages of 16 and 256 tokens), two
 # rounds each, against cuDNN and flash (sdpa_peer.py, contiguous K/V); a table of ms and ratios
 # (tests/cuda/config_table.py); CFG_PREFILL=1: the bench's causal prefill rows too, one round.
+# CFG_ENVS ("name:VAR=val[+VAR=val] ..."): each configuration runs under each of these
+# environments too (column "S:page name"), e.g. the planner's DA_CUDA_PER_TAIL; the rounds
+# go through every configuration and environment in turn.
 # pagesize: one decode step of each "B:L" in PAGE_SHAPES at each KV page size of PAGE_SIZES
 # (--page: 8 16 32 64 256 tokens), shuffled and in order, two rounds each, against cuDNN.
 # trace: a timing build (-DDA_CUDA_TRACE, kernels/cuda/trace.cuh) times one decode step of
@@ -193,20 +196,30 @@ if [ "$what" != tests ]; then
       python3 clients/bench/sdpa_peer.py --prefill-only --csv "$d/peers-prefill.csv" > /dev/null 2>> "$d/peers.err" ||
         { tail -5 "$d/peers.err"; exit 1; }
     fi
-    args=()
-    for cfg in ${CFGS:-512:16 1024:16 2048:16 512:256 1024:256 2048:256}; do
-      s=${cfg%:*} pg=${cfg#*:} files=""
-      for r in 1 2; do # two rounds, each shape in one process, in the order given
-        f="$d/$s-$pg-$r.csv"
-        $BENCH $one --split "$s" --page "$pg" > "$f" 2>> "$d/bench.err" || { tail -5 "$d/bench.err"; exit 1; }
-        files="$files${files:+,}$f"
+    cfgs=${CFGS:-512:16 1024:16 2048:16 512:256 1024:256 2048:256}
+    envs=":${CFG_ENVS:+ $CFG_ENVS}" # the plain environment first
+    for r in 1 2; do # two rounds, each shape in one process, in the order given
+      for cfg in $cfgs; do
+        for e in $envs; do
+          s=${cfg%:*} pg=${cfg#*:} name=${e%%:*} vars=${e#*:}
+          env ${vars//+/ } $BENCH $one --split "$s" --page "$pg" > "$d/$s-$pg-$name-$r.csv" 2>> "$d/bench.err" ||
+            { tail -5 "$d/bench.err"; exit 1; }
+        done
       done
-      if [ -n "${CFG_PREFILL:-}" ]; then
-        f="$d/$s-$pg-prefill.csv"
-        $BENCH --prefill-only --split "$s" --page "$pg" > "$f" 2>> "$d/bench.err" || { tail -5 "$d/bench.err"; exit 1; }
-        files="$files,$f"
-      fi
-      args+=("$cfg=$files")
+    done
+    args=()
+    for cfg in $cfgs; do
+      for e in $envs; do
+        s=${cfg%:*} pg=${cfg#*:} name=${e%%:*} vars=${e#*:}
+        files="$d/$s-$pg-$name-1.csv,$d/$s-$pg-$name-2.csv"
+        if [ -n "${CFG_PREFILL:-}" ]; then
+          f="$d/$s-$pg-$name-prefill.csv"
+          env ${vars//+/ } $BENCH --prefill-only --split "$s" --page "$pg" > "$f" 2>> "$d/bench.err" ||
+            { tail -5 "$d/bench.err"; exit 1; }
+          files="$files,$f"
+        fi
+        args+=("$cfg${name:+ $name}=$files")
+      done
     done
     python3 tests/cuda/config_table.py "$d"/peers*.csv -- "${args[@]}" | tee "$OUT/configs.md"
     tar czf "$OUT/cfg.tgz" -C "$OUT" cfg && rm -rf "$d" # one file back, not one a run
