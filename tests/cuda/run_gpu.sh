@@ -2,8 +2,9 @@
 # On the GPU machine (run tool): configure, build the CUDA targets, run the gpu-labelled
 # tests and/or the benchmark with its SDPA peers. Logs under $OUT; a short summary last.
 # Usage: bash tests/cuda/run_gpu.sh [tests|bench|all|configs|profile|profile-peer|profile-pages|profile-prefill|ceiling|chain|mergechain|trace|pages|pagesize] [--quick]
-# SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); TILE=128: the
-# bench with 128-key tiles (default 64).
+# SPLIT=N: the bench's fixed split size S (default 512, the daemon's default); PAGE=N: its KV
+# page size in tokens (default 16, the daemon's default); TILE=128: the bench with 128-key
+# tiles (default 64).
 # profile: ncu sections of one decode launch (B=8 L=16k); profile-prefill: of one prefill
 # launch (B=8 L=4k H=32 d=64, causal); profile-peer: one decode step of PB (32) x PL
 # (16384), ours and cuDNN's (through sdpa_peer.py), their ncu sections side by side;
@@ -231,7 +232,7 @@ if [ "$what" != tests ]; then
     grep -vE "^==PROF==|^ +-+$" "$OUT/ncu-prefill.txt" | grep -E "[0-9]" | head -90
     exit 0
   fi
-  $BENCH $bqs ${SPLIT:+--split $SPLIT} ${TILE:+--tile $TILE} > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
+  $BENCH $bqs ${SPLIT:+--split $SPLIT} ${PAGE:+--page $PAGE} ${TILE:+--tile $TILE} > "$OUT/ours.csv" 2> "$OUT/bench.err" || { rc=1; tail -5 "$OUT/bench.err"; }
   python3 clients/bench/sdpa_peer.py $bqs --ours "$OUT/ours.csv" --csv "$OUT/peers.csv" \
     > "$OUT/table.md" 2> "$OUT/peers.err" || { rc=1; tail -5 "$OUT/peers.err"; }
   cat "$OUT/ours.csv"
