@@ -16,6 +16,10 @@ L=${L:-1024}
 PLANES=${PLANES:-shm cuda}
 STEPS=${STEPS:-200}
 mkdir -p "$OUT"
+# The KV cache: room for every sequence's context and steps under the default per-client quota
+# (the cache less an eighth), at least the 600000 tokens the earlier runs had.
+kv=$(((B * (L + STEPS + 20 + 64) + 65536) * 8 / 7))
+[ "$kv" -lt 600000 ] && kv=600000
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 printf "| plane | B | L | layer call p50 us | of it sending | daemon receipt to reply | queue | batch run | of it submit | event wait | transport and wake-ups |\n"
@@ -25,7 +29,7 @@ for plane in $PLANES; do
   : > "$log" # exists before the wait below greps it
   # shellcheck disable=SC2086
   "$build/bin/detattnd" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
-    --head-dim 128 --dtype bf16 --kv-tokens 600000 --split-tokens 512 --http-listen http://127.0.0.1:9477 \
+    --head-dim 128 --dtype bf16 --kv-tokens "$kv" --split-tokens 512 --http-listen http://127.0.0.1:9477 \
     ${EXTRA_DAEMON_FLAGS:-} 2> "$log" &
   pid=$!
   for _ in $(seq 600); do grep -q "listening on" "$log" && break; sleep 0.1; done
