@@ -36,7 +36,9 @@ for plane in $PLANES; do
   # shellcheck disable=SC2086
   "$build/bin/detattn-step-bench" --url "ipc://$dir/d.sock" --batch "$B" --context "$L" --steps "$STEPS" \
     --warmup 20 --prefill-chunk 2048 --data-plane "$plane" ${EXTRA_BENCH_FLAGS:-} \
-    --json "$OUT/breakdown-$plane.json" > /dev/null 2>> "$OUT/breakdown.err"
+    --json "$OUT/breakdown-$plane.json" > /dev/null 2>> "$OUT/breakdown.err" ||
+    { echo "| $plane | $B | $L | the step bench failed: $(tail -1 "$OUT/breakdown.err" | cut -c1-160) |"
+      kill "$pid"; wait "$pid" 2> /dev/null; continue; }
   python3 -c "import urllib.request; open('$OUT/metrics-$plane.txt', 'wb').write(urllib.request.urlopen('http://127.0.0.1:9477/metrics').read())"
   kill "$pid"
   wait "$pid" 2> /dev/null

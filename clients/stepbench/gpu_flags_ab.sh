@@ -51,6 +51,8 @@ for line in open(sys.argv[1]):
         continue
     cells = [c.strip() for c in f[4].split("|")]
     call = cells[4] if len(cells) > 4 else "-"  # | plane | B | L | layer call p50 | ...
+    if not call.replace(".", "", 1).isdigit():
+        call = "failed"  # gpu_breakdown.sh's row for a run whose step bench failed
     runs.setdefault((f[0], f[1], f[2]), collections.defaultdict(list))[f[3]].append(call)
 print("| B | L | busy us | " + " | ".join(names) + " |")
 print("|--:|--:|--:|" + "---|" * len(names))
