@@ -16,10 +16,8 @@ L=${L:-1024}
 PLANES=${PLANES:-shm cuda}
 STEPS=${STEPS:-200}
 mkdir -p "$OUT"
-# The KV cache: room for every sequence's context and steps under the default per-client quota
-# (the cache less an eighth), at least the 600000 tokens the earlier runs had.
-kv=$(((B * (L + STEPS + 20 + 64) + 65536) * 8 / 7))
-[ "$kv" -lt 600000 ] && kv=600000
+. clients/stepbench/gpu_common.sh
+kv=$(kv_tokens 1 "$B" "$L" $((STEPS + 20)))
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 printf "| plane | B | L | layer call p50 us | of it sending | daemon receipt to reply | queue | batch run | of it submit | event wait | transport and wake-ups |\n"

@@ -3,6 +3,9 @@
 # builds detattnd and detattn-step-bench for sm_90 into BUILD if they are not there.
 # ab_order N: the indices 0 .. N-1, then N-1 .. 0 (a b b a: drift over a call hits every
 # variant alike).
+# kv_tokens CLIENTS B L STEPS: a daemon's --kv-tokens for CLIENTS step benches of B sequences of
+# L tokens and STEPS decode steps (warm-up included), each within the default per-client quota
+# (the cache less an eighth); at least 600000.
 step_bench_build() {
   local build=$1 out=$2
   if [ -f .devdeps/unpack.sh ]; then
@@ -21,4 +24,9 @@ ab_order() {
   local n=$1 k
   for ((k = 0; k < n; k++)); do echo "$k"; done
   for ((k = n - 1; k >= 0; k--)); do echo "$k"; done
+}
+
+kv_tokens() {
+  local kv=$((($1 * $2 * ($3 + $4 + 64) + 65536) * 8 / 7))
+  echo $((kv < 600000 ? 600000 : kv))
 }

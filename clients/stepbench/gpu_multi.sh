@@ -43,7 +43,7 @@ for n in $NS; do
       : > "$run/daemon.log"
       # shellcheck disable=SC2086
       "$build/bin/detattnd" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 \
-        --kv-heads 8 --head-dim 128 --dtype bf16 --kv-tokens $((n * B * (L + 2 * STEPS) + 65536)) \
+        --kv-heads 8 --head-dim 128 --dtype bf16 --kv-tokens "$(kv_tokens "$n" "$B" "$L" $((STEPS + 20)))" \
         --split-tokens 512 --max-conn-per-peer 1000 --http-listen http://127.0.0.1:9478 $flags 2> "$run/daemon.log" &
       pid=$!
       for _ in $(seq 600); do grep -q "listening on" "$run/daemon.log" && break; sleep 0.1; done
