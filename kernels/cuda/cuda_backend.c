@@ -89,6 +89,7 @@ typedef struct cuda_ctx {
   int64_t slots_used;
   struct flight *fl;      /* [2] batches in flight, a ring */
   int fl_head, fl_n;
+  struct timing *tm;      /* DA_CUDA_TIMING=1 (diagnostics), else NULL */
   char arch[32];
 } cuda_ctx;
 
@@ -155,6 +156,71 @@ static int available(void) {
   return n > 0;
 }
 
+/*
+ * DA_CUDA_TIMING=1 (diagnostics; unset or 0: off): every batch's stream carries timing
+ * events between its phases (staging on the device: the metadata H2D, page copies and the
+ * append with its gathers, from when the host has packed the batch; the attention; the
+ * combine; the outputs' scatter and D2H), the
+ * host times submit's staging and launches and the wall time from submit's entry to
+ * finish's event wait, and destroy() prints the medians and 90th percentiles of the last
+ * TIMING_N batches to stderr. The events sit between programmatic dependent launches, so
+ * the timed form overlaps a little less than the plain one.
+ */
+enum { TM_STAGE, TM_ATTN, TM_COMBINE, TM_OUT, TM_GPU, TM_HOST_STAGE = TM_GPU, TM_HOST_LAUNCH, TM_WALL, TM_COLS };
+#define TIMING_N 1024
+
+typedef struct timing {
+  cudaEvent_t ev[2][TM_GPU + 1]; /* per staging set: the phases' bounds */
+  float us[TIMING_N][TM_COLS];   /* a ring of the last batches */
+  int64_t n;
+} timing;
+
+static const char *const tm_names[TM_COLS] = {"stage", "attention", "combine", "out",
+                                              "host stage", "host launch", "submit to done"};
+
+static int cmp_float(const void *a, const void *b) {
+  const float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+static void timing_report(const timing *t) {
+  const int n = t->n < TIMING_N ? (int)t->n : TIMING_N;
+  if (n == 0) return;
+  float *col = malloc((size_t)n * sizeof(*col));
+  if (col == NULL) return;
+  char line[512];
+  int k = snprintf(line, sizeof(line), "cuda timing: last %d of %lld batches, us p50 / p90:", n, (long long)t->n);
+  for (int j = 0; j < TM_COLS && k > 0 && (size_t)k < sizeof(line); j++) {
+    for (int i = 0; i < n; i++) col[i] = t->us[i][j];
+    qsort(col, (size_t)n, sizeof(*col), cmp_float);
+    k += snprintf(line + k, sizeof(line) - (size_t)k, "%s %s %.1f / %.1f", j == 0 ? "" : ",", tm_names[j],
+                  col[n / 2], col[(n * 9) / 10]);
+  }
+  fprintf(stderr, "%s\n", line);
+  free(col);
+}
+
+/* A finished batch of set `set` (its events complete) into the ring. */
+static void timing_add(timing *t, int set, uint64_t t_submit, float host_stage, float host_launch) {
+  float *row = t->us[t->n % TIMING_N];
+  for (int j = 0; j < TM_GPU; j++)
+    if (cudaEventElapsedTime(&row[j], t->ev[set][j], t->ev[set][j + 1]) == cudaSuccess) row[j] *= 1e3f;
+    else row[j] = -1.0f, (void)cudaGetLastError();
+  row[TM_HOST_STAGE] = host_stage;
+  row[TM_HOST_LAUNCH] = host_launch;
+  row[TM_WALL] = (float)(da_now_ns() - t_submit) * 1e-3f;
+  t->n++;
+}
+
+static void timing_free(timing *t) {
+  if (t == NULL) return;
+  timing_report(t);
+  for (int s = 0; s < 2; s++)
+    for (int j = 0; j <= TM_GPU; j++)
+      if (t->ev[s][j] != NULL) cudaEventDestroy(t->ev[s][j]);
+  free(t);
+}
+
 static void free_all(cuda_ctx *c) {
   for (int i = 0; i < 2; i++) {
     cudaFree(c->d_in[i]);
@@ -174,6 +240,7 @@ static void free_all(cuda_ctx *c) {
   }
   if (c->stream != NULL) cudaStreamDestroy(c->stream);
   if (c->copy != NULL) cudaStreamDestroy(c->copy);
+  timing_free(c->tm);
   free(c->fl);
   free(c);
 }
@@ -374,6 +441,12 @@ static int partial_per_env(int *per, char *err, size_t errlen) {
   return int_env("DA_CUDA_PARTIAL_PER", 1, 64, 0, "splits per partial work item", per, err, errlen);
 }
 
+/* DA_CUDA_TIMING: 1, the phases of every batch timed (timing_report); unset, empty or 0: off. */
+static int timing_env(int *on, char *err, size_t errlen) {
+  static const env_choice names[] = {{"0", 0}, {"1", 1}};
+  return env_pick("DA_CUDA_TIMING", names, sizeof(names) / sizeof(names[0]), 0, on, err, errlen);
+}
+
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
                   size_t errlen) {
   int rv = check_cfg(cfg, err, errlen);
@@ -434,7 +507,14 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     if (rv == 0) rv = tail_env("DA_CUDA_PER_TAIL", &c->per_tail, err, errlen);
     if (rv == 0) rv = combine_short_env(&c->combine_short, err, errlen);
     if (rv == 0) rv = kv_stream_env(&c->kv_stream_ok, err, errlen);
+    int tm_on = 0;
+    if (rv == 0) rv = timing_env(&tm_on, err, errlen);
     if (rv != 0) goto fail;
+    if (tm_on && (c->tm = calloc(1, sizeof(*c->tm))) == NULL) {
+      snprintf(err, errlen, "cuda: out of host memory");
+      rv = DETATTN_RESOURCE_EXHAUSTED;
+      goto fail;
+    }
 #ifdef DA_CUDA_HAVE_SM90A
     if (prop.major == 9 && DA_CU_SM90_HEAD_DIM_OK(m->head_dim)) c->sm90_prefill = path;
     const char *grid = getenv("DA_CUDA_SM90_GRID");
@@ -494,6 +574,8 @@ static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, 
     CUDA_GOTO(NULL, cudaEventCreateWithFlags(&c->ev_in[i], cudaEventDisableTiming), fail);
     CUDA_GOTO(NULL, cudaEventCreateWithFlags(&c->ev_done[i], cudaEventDisableTiming), fail);
   }
+  for (int i = 0; i < 2 && c->tm != NULL; i++)
+    for (int j = 0; j <= TM_GPU; j++) CUDA_GOTO(NULL, cudaEventCreate(&c->tm->ev[i][j]), fail);
   CUDA_GOTO(NULL, cudaMalloc(&c->kv, c->kv_bytes), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_o, (size_t)slots * m->head_dim * 4), fail);
   CUDA_GOTO(NULL, cudaMalloc((void **)&c->acc_lse, (size_t)slots * 4), fail);
@@ -903,15 +985,30 @@ static int64_t pack(cuda_ctx *c, const da_batch *b, int S, const plan *pl, unsig
     at->slot_base = pl->partial[i] ? slot : -1;
     if (pl->partial[i]) {
       slot += rows * at->n_splits;
-      for (int64_t r = 0; r < rows; r += DA_CU_COMBINE_ROWS) {
-        /* The row's block (rows t G + g of its kv head) and so its prefix item's splits. */
-        int j0, j1, jc = 0;
-        const int64_t br = r / m->n_q_heads * G + r % m->n_q_heads % G, r0 = br / c->brows * c->brows;
-        da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
-        if (prefix_block(c, S, a, r0, j0))
-          jc = da_cu_first_end(pl->partial[i], pl->per,
-                               da_cu_block_tail(pl->partial[i], c->prefix_tail, pl->per_tail, j1 - j0), j0, j1);
-        cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
+      /* Combine row r = t n_q_heads + h (one a citem) is block row t G + g (g = h % G) of its
+       * kv head; its prefix item's end jc is found once a block, and no row divides (B 64 L
+       * 16k: 2,048 rows a decode step). */
+      _Static_assert(DA_CU_COMBINE_ROWS == 1, "a combine item a row");
+      int64_t r0_jc = -1, r = 0;
+      int jc = 0;
+      for (int64_t t = 0; t < a->n_q; t++) {
+        const int64_t r0_t = t * G / c->brows * c->brows; /* the block of row t G */
+        int64_t r0 = r0_t;                                /* the block of row t G + g */
+        for (int h = 0, g = 0; h < m->n_q_heads; h++, r++) {
+          if (r0 != r0_jc) {
+            int j0, j1;
+            da_cu_block_splits(m, c->brows, S, a, r0, &j0, &j1);
+            jc = prefix_block(c, S, a, r0, j0) ? da_cu_first_end(pl->partial[i], pl->per,
+                                                                 da_cu_block_tail(pl->partial[i], c->prefix_tail,
+                                                                                  pl->per_tail, j1 - j0),
+                                                                 j0, j1)
+                                               : 0;
+            r0_jc = r0;
+          }
+          cis[n_ci++] = (da_cu_citem){i, (int32_t)r, jc, 0};
+          if (++g == G) g = 0, r0 = r0_t;
+          else if (t * G + g == r0 + c->brows) r0 += c->brows;
+        }
       }
     }
   }
@@ -1056,6 +1153,9 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
     goto fail;
   }
   size_t h2d = bench || !pl->host_in ? pl->off_q : pl->in_bytes;
+  /* DA_CUDA_TIMING: the device's staging phase starts here (the set's last batch is done, so
+   * its events are free to record again) */
+  if (c->tm != NULL && !bench) CUDA_GOTO(c, cudaEventRecord(c->tm->ev[c->cur][TM_STAGE], c->stream), fail);
   if (c->fl_n > 0) { /* on the copy stream, under the batch in flight's kernels */
     CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
     CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
@@ -1099,6 +1199,8 @@ typedef struct flight {
   int set;
   void (*ready)(void *arg);
   void *arg;
+  uint64_t t_submit;             /* DA_CUDA_TIMING: host ns at submit's entry */
+  float host_stage, host_launch; /* and its two parts, us */
 } flight;
 
 static struct flight *flights_alloc(void) { return calloc(2, sizeof(flight)); }
@@ -1139,16 +1241,28 @@ static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *
   flight *f = &c->fl[(c->fl_head + c->fl_n) % 2];
   memset(f, 0, sizeof(*f));
   c->cur = c->fl_n > 0 ? c->fl[c->fl_head].set ^ 1 : c->cur ^ 1;
+  cudaEvent_t *tev = c->tm != NULL ? c->tm->ev[c->cur] : NULL;
+  const uint64_t t0 = tev != NULL ? da_now_ns() : 0;
   rv = stage(c, b, c->cfg.num.split_tokens, 0, 0, &f->pl, err, errlen);
   if (rv != 0) return rv;
+  const uint64_t t1 = tev != NULL ? da_now_ns() : 0;
+  if (tev != NULL) CUDA_GOTO(c, cudaEventRecord(tev[TM_ATTN], c->stream), fail);
   CUDA_GOTO(c, attn_launch(c), fail);
+  if (tev != NULL) CUDA_GOTO(c, cudaEventRecord(tev[TM_COMBINE], c->stream), fail);
   CUDA_GOTO(c, da_cuda_combine(&c->args, c->stream), fail);
+  if (tev != NULL) CUDA_GOTO(c, cudaEventRecord(tev[TM_OUT], c->stream), fail);
   if (f->pl.n_sseg > 0)
     CUDA_GOTO(c, da_cuda_segcopy((const da_cu_seg *)(c->d_in[c->cur] + f->pl.off_sseg), (int)f->pl.n_sseg,
                                  f->pl.sseg_max, c->stream), fail);
   if (f->pl.out_bytes > 0 && f->pl.host_out)
     CUDA_GOTO(c, cudaMemcpyAsync(c->h_out[c->cur], c->d_out[c->cur], f->pl.out_bytes,
                                  cudaMemcpyDeviceToHost, c->stream), fail);
+  if (tev != NULL) {
+    CUDA_GOTO(c, cudaEventRecord(tev[TM_GPU], c->stream), fail);
+    f->t_submit = t0;
+    f->host_stage = (float)(t1 - t0) * 1e-3f;
+    f->host_launch = (float)(da_now_ns() - t1) * 1e-3f;
+  }
   for (int i = 0; i < b->n_signals; i++)
     CUDA_GOTO(c, cudaEventRecord((cudaEvent_t)b->signals[i], c->stream), fail);
   f->b = b;
@@ -1192,6 +1306,7 @@ static int finish(void *ctx, da_batch_result *res) {
   c->fl_n--;
   CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
   CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[f->set]), fail);
+  if (c->tm != NULL) timing_add(c->tm, f->set, f->t_submit, f->host_stage, f->host_launch);
   const da_model *m = &c->cfg.model;
   const unsigned char *hout = c->h_out[f->set];
   const da_batch *b = f->b;

@@ -179,6 +179,42 @@ END_TEST
 /* Without a window every row of a block starts at its first split; with one, a block whose
  * last row's window starts a split later may not have a prefix item. Positions worked out
  * here: G 4, so a block of 128 rows is 32 tokens. */
+/* da_cu_partial_per counts each block's splits once (runs of equal counts); its per and
+ * item count must be those of the cost rule evaluated block by block with
+ * da_cu_partial_items, on mixed batches: windows, prefill rows, other kinds, every tail. */
+START_TEST(per_choice_matches_the_rule_counted_block_by_block) {
+  srand(3);
+  static const int tails[] = {-1, 0, 2, 4};
+  da_attn attns[40];
+  unsigned char partial[40];
+  for (int rep = 0; rep < 3000; rep++) {
+    const int kvh = 1 << (rand() % 4);
+    const da_model m = {.n_layers = 1, .n_kv_heads = kvh, .n_q_heads = kvh << (rand() % 4), .head_dim = 128,
+                        .dtype = DA_BF16, .window = rand() % 3 == 0 ? 100 + rand() % 3000 : 0};
+    const int split = 256 << (rand() % 3), brows = rand() % 2 ? 16 : BROWS, B = 1 + rand() % 40;
+    for (int i = 0; i < B; i++) {
+      attns[i] = (da_attn){.q_pos = rand() % 70000, .n_q = rand() % 4 == 0 ? 1 + rand() % 40 : 1};
+      partial[i] = rand() % 4 ? DA_CU_PART_PER : rand() % 2 ? DA_CU_INROW : DA_CU_PART_TAIL;
+    }
+    const da_batch b = {.attns = attns, .n_attns = B};
+    const int tail = tails[rand() % 4];
+    const int64_t slots = 1 + rand() % 400;
+    int64_t best = INT64_MAX, want_n = 0;
+    int want = 1;
+    for (int per = 1; per <= 64; per++) {
+      int64_t first = 0;
+      const int64_t n = da_cu_partial_items(&m, brows, split, &b, partial, per, tail, &first);
+      if (n == 0) break;
+      const int64_t cost = (first + slots - 1) / slots * (per * (split / T) + 1);
+      if (cost <= best) best = cost, want = per, want_n = n;
+    }
+    int64_t n = -1;
+    ck_assert_int_eq(da_cu_partial_per(&m, brows, split, T, &b, partial, tail, slots, &n), want);
+    ck_assert_int_eq(n, want_n);
+  }
+}
+END_TEST
+
 START_TEST(prefix_rows_need_every_row_to_start_at_the_first_split) {
   da_model m = model;
   const da_attn dec = {.q_pos = 70000, .n_q = 1}, pre = {.q_pos = 5000, .n_q = 100};
@@ -346,6 +382,7 @@ int main(void) {
   tcase_add_test(tc, items_are_counted_whole_per_block_and_only_for_partial_attentions);
   tcase_add_test(tc, tails_are_an_eighth_from_32_splits_and_less_than_half);
   tcase_add_test(tc, partial_tails_by_rule_only_after_long_items);
+  tcase_add_test(tc, per_choice_matches_the_rule_counted_block_by_block);
   tcase_add_test(tc, prefix_rows_need_every_row_to_start_at_the_first_split);
   tcase_add_test(tc, block_items_cover_each_split_once);
   suite_add_tcase(s, tc);
