@@ -48,8 +48,10 @@ static const setting table[] = {
      "scheduler: how long an idle backend waits for a batch to fill, microseconds"},
     {"max-request-tokens", T_INT, F(max_request_tokens), 1, 1 << 24, NULL, "4096",
      "most tokens in one Forward (all its sequences); max-request-tokens + split-tokens <= max-batch-tokens"},
-    {"partial-rows", T_INT, F(partial_rows), 0, 1 << 30, NULL, "256",
-     "scheduler: batches with fewer (token, q-head) rows than this run long rows as partials"},
+    {"partial-rows", T_INT, F(partial_rows), -1, 1 << 30, NULL, "-1",
+     "scheduler: -1, the backend runs each batch's long rows in-row or as partials as suits its "
+     "device; N >= 0, batches with fewer (token, q-head) rows than N run long rows as partials, "
+     "the rest in-row"},
     {"decode-tokens", T_INT, F(decode_tokens), 1, 4096, NULL, "16",
      "scheduler: a sequence's Forward of at most this many tokens is decode work, batched before prefill"},
     {"max-prefill-tokens", T_INT, F(max_prefill_tokens), 0, 1 << 24, NULL, "2048",

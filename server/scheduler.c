@@ -388,6 +388,7 @@ static int ensure_storage(da_sched *s, da_sched_batch *b) {
 }
 
 static da_split_mode choose_mode(const da_sched *s, const da_sched_batch *b) {
+  if (s->cfg.partial_rows < 0) return DA_SPLIT_AUTO;
   const int S = s->cfg.split_tokens, W = s->cfg.model.window;
   int64_t slots = 0;
   int max_splits = 0;

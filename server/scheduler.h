@@ -34,10 +34,14 @@
  * its source page before any later-admitted work can reuse or overwrite it.
  *
  * Each batch snapshots the page tables it uses into memory it owns, so the KV cache may
- * change while the batch runs. The split mode is chosen per batch from its shape: PARTIAL
- * when it has fewer than partial_rows (token, q-head) rows, some row spans two or more
- * splits, and its partials fit the accumulator slots; INROW otherwise. Results never
- * depend on the choice.
+ * change while the batch runs. The split mode: with partial_rows < 0 (the daemon's default)
+ * AUTO, the backend's choice per batch and row from what its device runs fastest (the CUDA
+ * backend: partials where the in-row blocks cannot fill the SMs, and one-split tails for long
+ * decode rows of launches that fill them; the CPU backend: partials where the in-row items
+ * cannot keep its threads busy), within the accumulator slots it has free. With
+ * partial_rows >= 0, chosen here from the batch's shape: PARTIAL when it has fewer than
+ * partial_rows (token, q-head) rows, some row spans two or more splits, and its partials fit
+ * the accumulator slots; INROW otherwise. Results never depend on the choice.
  *
  * Thread: not thread-safe; the daemon's loop thread owns it. A formed batch may be handed
  * to another thread to run and given back to da_sched_complete.
@@ -92,7 +96,7 @@ typedef struct da_sched_cfg {
   int max_batch_tokens;   /* appended + query tokens per batch */
   int max_request_tokens; /* most tokens one admission carries */
   int acc_slots;          /* accumulator slots the backend has */
-  int partial_rows;       /* below this many rows a batch may run partials */
+  int partial_rows;       /* < 0: the backend chooses (AUTO); else below this many rows a batch may run partials */
   int decode_tokens;      /* items of at most this many tokens are decode work (0: 16) */
   int max_prefill_tokens; /* query tokens of prefill items per batch (0: no limit) */
 } da_sched_cfg;

@@ -532,6 +532,31 @@ START_TEST(split_mode_follows_batch_shape) {
 }
 END_TEST
 
+/* partial_rows < 0 (the daemon's default): every batch goes to the backend as AUTO, whatever
+ * its shape, so the backend picks from its own device (a B 8 decode step of 32 q heads has 256
+ * rows: the fixed rule of 256 ran it in-row on the GPU, on 64 of 132 SMs). */
+START_TEST(split_mode_is_the_backends_by_default) {
+  make((fixture_cfg){.n_pages = 256, .split = 64, .budget = 4096, .max_req = 1024, .partial_rows = -1,
+                     .acc_slots = 1 << 16});
+  da_sched_queue q;
+  da_sched_queue_init(&q);
+  uint32_t sq = open_seq();
+  char err[256];
+  da_sched_item *pre = new_item(sq, 0, 0, 500, NULL); /* 1000 rows */
+  ck_assert_int_eq(da_sched_admit(s, &q, pre, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
+  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_AUTO);
+  da_sched_complete(s, &batch, count_done, NULL);
+  da_sched_item *dec = new_item(sq, 0, 500, 1, NULL); /* 2 rows over 8 splits */
+  ck_assert_int_eq(da_sched_admit(s, &q, dec, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
+  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_AUTO);
+  da_sched_complete(s, &batch, count_done, NULL);
+  free_item(pre);
+  free_item(dec);
+}
+END_TEST
+
 START_TEST(partial_needs_free_accumulator_slots) {
   make((fixture_cfg){.n_pages = 256, .split = 64, .budget = 4096, .max_req = 1024, .partial_rows = 64,
                      .acc_slots = 8});
@@ -607,6 +632,7 @@ int main(void) {
   tcase_add_test(tc, copy_on_write_copies_run_in_the_next_batch);
   tcase_add_test(tc, page_table_snapshot_is_owned_by_the_batch);
   tcase_add_test(tc, split_mode_follows_batch_shape);
+  tcase_add_test(tc, split_mode_is_the_backends_by_default);
   tcase_add_test(tc, partial_needs_free_accumulator_slots);
   tcase_add_test(tc, cancel_drops_unstarted_items_and_keeps_the_started_one);
   suite_add_tcase(su, tc);
