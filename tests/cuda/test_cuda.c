@@ -415,10 +415,10 @@ START_TEST(streaming_batch_equals_rows_alone) {
 END_TEST
 
 /* One-split tails give the in-row bits. Loops 0-1, DA_CUDA_PREFIX_TAIL: a decode batch big
- * enough to run in-row (more kv-head blocks than 1.5x the SMs) runs each row as a prefix item
- * and its last splits as one-split items, combined. Loops 2-3, DA_CUDA_PER_TAIL: a small
- * one runs as partial items (a prefix item, then items of DA_CUDA_PARTIAL_PER splits) and the
- * last two splits of each row as one-split items. Odd loops with a window: the rows' first
+ * enough to keep every pipe busy in-row (kv-head blocks at least 1.5x the SMs) runs each row
+ * as a prefix item and its last splits as one-split items, combined. Loops 2-3,
+ * DA_CUDA_PER_TAIL: a small one runs as partial items (a prefix item, then items of
+ * DA_CUDA_PARTIAL_PER splits) and the last two splits of each row as one-split items. Odd loops with a window: the rows' first
  * splits are not 0 (6 splits a row there, 8 in the others). */
 START_TEST(tail_items_equal_inrow) {
   static const tcfg tc[] = {{.hq = 16, .hkv = 8, .d = 128, .S = 128, .P = 16, .dt = DA_BF16},
