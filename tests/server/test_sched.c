@@ -503,29 +503,30 @@ START_TEST(page_table_snapshot_is_owned_by_the_batch) {
 }
 END_TEST
 
+/* Admits an item of n tokens from pos of sequence seq to queue q, forms its batch (the whole
+ * item) at time t and returns the batch's split mode (the batch completed; the caller frees
+ * *it). */
+static da_split_mode mode_of(da_sched_queue *q, uint32_t seq, int pos, int n, uint64_t t, da_sched_item **it) {
+  char err[256];
+  *it = new_item(seq, 0, pos, n, NULL);
+  ck_assert_int_eq(da_sched_admit(s, q, *it, 1, 1, err, sizeof(err)), 0);
+  ck_assert_int_eq(da_sched_form(s, &batch, t), 0);
+  ck_assert_ptr_null(q->head);
+  const da_split_mode mode = batch.b.split_mode;
+  da_sched_complete(s, &batch, count_done, NULL);
+  return mode;
+}
+
 START_TEST(split_mode_follows_batch_shape) {
   make((fixture_cfg){.n_pages = 256, .split = 64, .budget = 4096, .max_req = 1024, .partial_rows = 64,
                      .acc_slots = 1 << 16});
   da_sched_queue q;
   da_sched_queue_init(&q);
-  uint32_t sq = open_seq();
-  char err[256];
-  da_sched_item *pre = new_item(sq, 0, 0, 500, NULL); /* 1000 rows: in-row */
-  ck_assert_int_eq(da_sched_admit(s, &q, pre, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_INROW);
-  da_sched_complete(s, &batch, count_done, NULL);
-  da_sched_item *dec = new_item(sq, 0, 500, 1, NULL); /* 2 rows over 8 splits: partial */
-  ck_assert_int_eq(da_sched_admit(s, &q, dec, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_PARTIAL);
-  da_sched_complete(s, &batch, count_done, NULL);
-  uint32_t s2 = open_seq();
-  da_sched_item *shortd = new_item(s2, 0, 0, 10, NULL); /* one split per row: in-row */
-  ck_assert_int_eq(da_sched_admit(s, &q, shortd, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 4), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_INROW);
-  da_sched_complete(s, &batch, count_done, NULL);
+  const uint32_t sq = open_seq(), s2 = open_seq();
+  da_sched_item *pre, *dec, *shortd;
+  ck_assert_int_eq(mode_of(&q, sq, 0, 500, 2, &pre), DA_SPLIT_INROW);   /* 1000 rows */
+  ck_assert_int_eq(mode_of(&q, sq, 500, 1, 3, &dec), DA_SPLIT_PARTIAL); /* 2 rows over 8 splits */
+  ck_assert_int_eq(mode_of(&q, s2, 0, 10, 4, &shortd), DA_SPLIT_INROW); /* one split per row */
   free_item(pre);
   free_item(dec);
   free_item(shortd);
@@ -540,18 +541,10 @@ START_TEST(split_mode_is_the_backends_by_default) {
                      .acc_slots = 1 << 16});
   da_sched_queue q;
   da_sched_queue_init(&q);
-  uint32_t sq = open_seq();
-  char err[256];
-  da_sched_item *pre = new_item(sq, 0, 0, 500, NULL); /* 1000 rows */
-  ck_assert_int_eq(da_sched_admit(s, &q, pre, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_AUTO);
-  da_sched_complete(s, &batch, count_done, NULL);
-  da_sched_item *dec = new_item(sq, 0, 500, 1, NULL); /* 2 rows over 8 splits */
-  ck_assert_int_eq(da_sched_admit(s, &q, dec, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_AUTO);
-  da_sched_complete(s, &batch, count_done, NULL);
+  const uint32_t sq = open_seq();
+  da_sched_item *pre, *dec;
+  ck_assert_int_eq(mode_of(&q, sq, 0, 500, 2, &pre), DA_SPLIT_AUTO);
+  ck_assert_int_eq(mode_of(&q, sq, 500, 1, 3, &dec), DA_SPLIT_AUTO);
   free_item(pre);
   free_item(dec);
 }
@@ -562,17 +555,10 @@ START_TEST(partial_needs_free_accumulator_slots) {
                      .acc_slots = 8});
   da_sched_queue q;
   da_sched_queue_init(&q);
-  uint32_t sq = open_seq();
-  char err[256];
-  da_sched_item *pre = new_item(sq, 0, 0, 500, NULL);
-  ck_assert_int_eq(da_sched_admit(s, &q, pre, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 2), 0);
-  da_sched_complete(s, &batch, count_done, NULL);
-  da_sched_item *dec = new_item(sq, 0, 500, 1, NULL); /* needs 2 x 8 = 16 slots > 8 */
-  ck_assert_int_eq(da_sched_admit(s, &q, dec, 1, 1, err, sizeof(err)), 0);
-  ck_assert_int_eq(da_sched_form(s, &batch, 3), 0);
-  ck_assert_int_eq(batch.b.split_mode, DA_SPLIT_INROW);
-  da_sched_complete(s, &batch, count_done, NULL);
+  const uint32_t sq = open_seq();
+  da_sched_item *pre, *dec;
+  (void)mode_of(&q, sq, 0, 500, 2, &pre);
+  ck_assert_int_eq(mode_of(&q, sq, 500, 1, 3, &dec), DA_SPLIT_INROW); /* needs 2 x 8 = 16 slots > 8 */
   free_item(pre);
   free_item(dec);
 }
