@@ -762,18 +762,20 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_attns; i++)
     inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, c->brows) * m->n_kv_heads;
   int64_t slots_free = c->acc_bytes / ((size_t)(m->head_dim + 1) * 4);
-  /* In-row when its blocks reach four fifths of the SMs; both give the same bits. A decode
-   * block in-row is one pipe alone on its SM, ~42 GB/s of K/V on an H200, so from ~105 blocks
-   * (4.4 TB/s / 42 GB/s) the launch is bound by the device's bandwidth and partials gain
-   * nothing in the kernel, while their combine and items cost ~15 us a layer call through
-   * the daemon. NOTES.md v5.30, H200, layer call, partials against in-row: B 8 (64 blocks) L
-   * 16k 232 against 322-352 us; B 12 (96) L 16k 281-291 against 358-381, L 4k 133-141
-   * against 119-125; B 16 (128) L 4k-16k and B 24 (192) 5-11 % longer as partials. */
-  const int64_t busy = 4 * (int64_t)c->n_sm / 5;
-  /* One-split tails (DA_CU_PART_TAIL) only where the in-row blocks fill the pipes: with pipes
-   * to spare the tails run from the start beside the rows' long prefix items and slow them
-   * (B 16 L 16k, 128 blocks: 287 us against 245 in-row; NOTES.md v5.30). */
+  /* In-row from `busy` blocks; both give the same bits. On prefill_sm90.cu's pipes (sm90
+   * decode) four fifths of the SMs: a block in-row is one pipe alone on its SM, ~42 GB/s of
+   * K/V on an H200, so from ~105 blocks (4.4 TB/s / 42 GB/s) the launch is bound by the
+   * device's bandwidth and partials gain nothing in the kernel, while their combine and items
+   * cost ~15 us a layer call through the daemon. NOTES.md v5.30, H200, layer call, partials
+   * against in-row: B 8 (64 blocks) L 16k 232 against 322-352 us; B 12 (96) L 16k 281-291
+   * against 358-381, L 4k 133-141 against 119-125; B 16 (128) L 4k-16k and B 24 (192) 5-11 %
+   * longer as partials. On attn.cu (no sm90 decode), about two resident CTAs an SM, as
+   * measured there. */
   const int64_t fill = 3 * (int64_t)c->n_sm / 2;
+  const int64_t busy = c->sm90_decode ? 4 * (int64_t)c->n_sm / 5 : fill;
+  /* One-split tails (DA_CU_PART_TAIL, sm90 decode) only from `fill` blocks, where they keep
+   * every pipe busy: with pipes to spare they run from the start beside the rows' long prefix
+   * items and slow them (B 16 L 16k, 128 blocks: 287 us against 245 in-row; NOTES.md v5.30). */
   int64_t max_block_rows = 0; /* the most rows of an attention's block, n_q G */
   for (int i = 0; i < b->n_attns; i++)
     if ((int64_t)b->attns[i].n_q * G > max_block_rows) max_block_rows = (int64_t)b->attns[i].n_q * G;
