@@ -762,20 +762,6 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
   for (int i = 0; i < b->n_attns; i++)
     inrow_ctas += ceil_div((int64_t)b->attns[i].n_q * G, c->brows) * m->n_kv_heads;
   int64_t slots_free = c->acc_bytes / ((size_t)(m->head_dim + 1) * 4);
-  /* In-row from `busy` blocks; both give the same bits. On prefill_sm90.cu's pipes (sm90
-   * decode) four fifths of the SMs: a block in-row is one pipe alone on its SM, ~42 GB/s of
-   * K/V on an H200, so from ~105 blocks (4.4 TB/s / 42 GB/s) the launch is bound by the
-   * device's bandwidth and partials gain nothing in the kernel, while their combine and items
-   * cost ~15 us a layer call through the daemon. NOTES.md v5.30, H200, layer call, partials
-   * against in-row: B 8 (64 blocks) L 16k 232 against 322-352 us; B 12 (96) L 16k 281-291
-   * against 358-381, L 4k 133-141 against 119-125; B 16 (128) L 4k-16k and B 24 (192) 5-11 %
-   * longer as partials. On attn.cu (no sm90 decode), about two resident CTAs an SM, as
-   * measured there. */
-  const int64_t fill = 3 * (int64_t)c->n_sm / 2;
-  const int64_t busy = c->sm90_decode ? 4 * (int64_t)c->n_sm / 5 : fill;
-  /* One-split tails (DA_CU_PART_TAIL, sm90 decode) only from `fill` blocks, where they keep
-   * every pipe busy: with pipes to spare they run from the start beside the rows' long prefix
-   * items and slow them (B 16 L 16k, 128 blocks: 287 us against 245 in-row; NOTES.md v5.30). */
   int64_t max_block_rows = 0; /* the most rows of an attention's block, n_q G */
   for (int i = 0; i < b->n_attns; i++)
     if ((int64_t)b->attns[i].n_q * G > max_block_rows) max_block_rows = (int64_t)b->attns[i].n_q * G;
@@ -794,12 +780,8 @@ static void plan_batch(const cuda_ctx *c, const da_batch *b, int S, plan *pl) {
     /* as DA_CU_PART_TAIL: its one block (n_q G <= 16), from w0's split, and its tail */
     const int tail =
         tail_ok && prefix_block(c, S, a, 0, (int)(w0 / S)) ? da_cu_tail_splits(c->prefix_tail, nsp - w0 / S) : 0;
-    int part = 0;
-    if (multi && need <= slots_free) {
-      if (b->split_mode == DA_SPLIT_PARTIAL) part = DA_CU_PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && inrow_ctas < busy) part = DA_CU_PART_PER;
-      else if (b->split_mode == DA_SPLIT_AUTO && tail > 0 && inrow_ctas >= fill) part = DA_CU_PART_TAIL;
-    }
+    const int part =
+        multi && need <= slots_free ? da_cu_attn_kind(b->split_mode, inrow_ctas, c->n_sm, c->sm90_decode, tail) : 0;
     pl->partial[i] = (unsigned char)part;
     if (part) slots_free -= need, pl->slots += need;
     const int64_t merged = part == DA_CU_PART_TAIL ? tail + 1 : nsp; /* the most splits a combine row merges */

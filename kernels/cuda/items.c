@@ -20,6 +20,13 @@ static int block_keys(const da_model *m, int brows, const da_attn *a, int64_t ro
   return 1;
 }
 
+int da_cu_attn_kind(da_split_mode mode, int64_t inrow_ctas, int n_sm, int sm90_decode, int tail) {
+  const int64_t fill = 3 * (int64_t)n_sm / 2, busy = sm90_decode ? 4 * (int64_t)n_sm / 5 : fill;
+  if (mode == DA_SPLIT_PARTIAL || (mode == DA_SPLIT_AUTO && inrow_ctas < busy)) return DA_CU_PART_PER;
+  if (mode == DA_SPLIT_AUTO && tail > 0 && inrow_ctas >= fill) return DA_CU_PART_TAIL;
+  return DA_CU_INROW;
+}
+
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1) {
   int64_t w0 = 0, p_max = -1;
   (void)block_keys(m, brows, a, row0, &w0, &p_max);

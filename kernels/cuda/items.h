@@ -18,6 +18,24 @@
  * block's splits but its last k and those as one-split items (da_cu_tail_splits). */
 enum { DA_CU_INROW, DA_CU_PART_PER, DA_CU_PART_TAIL };
 
+/*
+ * How an attention whose rows span two or more splits runs (DA_CU_INROW, _PART_PER or
+ * _PART_TAIL), where its partials fit the accumulator slots: as the batch's mode says
+ * (DA_SPLIT_INROW, DA_SPLIT_PARTIAL), or with DA_SPLIT_AUTO from the batch's in-row blocks
+ * (inrow_ctas, over every attention) against the device's n_sm SMs. Partials below `busy`
+ * blocks: on prefill_sm90.cu's decode pipes (sm90_decode) 4/5 of the SMs, since a block
+ * in-row is one pipe alone on its SM (~42 GB/s of K/V on an H200) and from ~105 blocks the
+ * launch is bound by the device's bandwidth, so partials gain nothing in the kernel while
+ * their combine and items cost ~15 us a layer call through the daemon (NOTES.md v5.30: B 8,
+ * 64 blocks, L 16k 232 against 322-352 us in-row; B 12, 96, L 16k 281-291 against 358-381,
+ * L 4k 133-141 against 119-125; B 16-24 5-11 % longer as partials); on attn.cu 1.5x the SMs
+ * (about two resident CTAs an SM, as measured there). From 1.5x the SMs, rows with a tail
+ * (tail > 0: da_cu_tail_splits) run DA_CU_PART_TAIL: the tails keep every pipe busy there,
+ * while with pipes to spare they start beside the rows' long prefix items and slow them (B 16
+ * L 16k, 128 blocks: 287 us against 245 in-row). The bits never depend on the choice.
+ */
+int da_cu_attn_kind(da_split_mode mode, int64_t inrow_ctas, int n_sm, int sm90_decode, int tail);
+
 /* The splits [j0, j1) of size S that rows [row0, row0 + brows) of attention a see (a row is
  * a (query token, q head of one kv head's group) pair; the rows of one token are adjacent). */
 void da_cu_block_splits(const da_model *m, int brows, int S, const da_attn *a, int64_t row0, int *j0, int *j1);

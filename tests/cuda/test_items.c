@@ -215,6 +215,25 @@ START_TEST(per_choice_matches_the_rule_counted_block_by_block) {
 }
 END_TEST
 
+/* The split form of an attention from the batch's in-row blocks on 132 SMs (an H100's or
+ * H200's): partials below 105 blocks on the sm90 decode pipes (B 8-13 of 8 kv heads), below
+ * 198 on attn.cu; in-row above, and with one-split tails from 198 blocks where the rows have
+ * a tail; the forced modes whatever the blocks. */
+START_TEST(attn_kind_from_the_blocks_against_the_sms) {
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 64, SLOTS, 1, 4), DA_CU_PART_PER);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 104, SLOTS, 1, 0), DA_CU_PART_PER);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 105, SLOTS, 1, 0), DA_CU_INROW);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 128, SLOTS, 1, 4), DA_CU_INROW);   /* tails wait for 198 */
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 197, SLOTS, 1, 4), DA_CU_INROW);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 198, SLOTS, 1, 4), DA_CU_PART_TAIL);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 256, SLOTS, 1, 0), DA_CU_INROW);   /* no tail */
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 128, SLOTS, 0, 0), DA_CU_PART_PER); /* attn.cu */
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_AUTO, 198, SLOTS, 0, 0), DA_CU_INROW);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_PARTIAL, 1000, SLOTS, 1, 4), DA_CU_PART_PER);
+  ck_assert_int_eq(da_cu_attn_kind(DA_SPLIT_INROW, 8, SLOTS, 1, 4), DA_CU_INROW);
+}
+END_TEST
+
 START_TEST(prefix_rows_need_every_row_to_start_at_the_first_split) {
   da_model m = model;
   const da_attn dec = {.q_pos = 70000, .n_q = 1}, pre = {.q_pos = 5000, .n_q = 100};
@@ -383,6 +402,7 @@ int main(void) {
   tcase_add_test(tc, tails_are_an_eighth_from_32_splits_and_less_than_half);
   tcase_add_test(tc, partial_tails_by_rule_only_after_long_items);
   tcase_add_test(tc, per_choice_matches_the_rule_counted_block_by_block);
+  tcase_add_test(tc, attn_kind_from_the_blocks_against_the_sms);
   tcase_add_test(tc, prefix_rows_need_every_row_to_start_at_the_first_split);
   tcase_add_test(tc, block_items_cover_each_split_once);
   suite_add_tcase(s, tc);
