@@ -10,7 +10,9 @@
 # Environment: VARIANTS (required; "name=daemon flags;..."), SHAPES ("1:1024 8:4096 32:4096"),
 # MLPS ("0 400"), ROUNDS (1), PLANES (cuda), and what gpu_breakdown.sh takes (BACKEND, STEPS,
 # EXTRA_BENCH_FLAGS: added to --mlp-us). BUILD_DIR (build-gpu) without detattnd is configured
-# and built for sm_90 from .devdeps first (carry .devdeps).
+# and built for sm_90 from .devdeps first (carry .devdeps). With DA_CUDA_TIMING=1 the daemons
+# time their batches' phases (cuda_backend.c) and each run's decode-batch line follows the
+# table.
 set -u
 build=${1:-build-gpu}
 OUT=${OUT:-/tmp/detattn-gpu}
@@ -59,3 +61,11 @@ print("|--:|--:|--:|" + "---|" * len(names))
 for (b, l, m), by in runs.items():
     print("| %s | %s | %s | %s |" % (b, l, m, " | ".join(" / ".join(by[n]) or "-" for n in names)))
 PY
+if [ "${DA_CUDA_TIMING:-0}" = 1 ]; then
+  echo "decode batches' phases a run (DA_CUDA_TIMING), us p50 / p90:"
+  for log in "$OUT"/run-*/breakdown-daemon-*.log; do
+    [ -f "$log" ] || continue
+    line=$(grep -h "cuda timing, decode batches" "$log" | sed 's/.*us p50 \/ p90: //')
+    echo "$(basename "$(dirname "$log")"): ${line:-no timing line}"
+  done
+fi

@@ -163,16 +163,20 @@ static int available(void) {
  * combine; the outputs' scatter and D2H), the
  * host times submit's staging and launches and the wall time from submit's entry to
  * finish's event wait, and destroy() prints the medians and 90th percentiles of the last
- * TIMING_N batches to stderr. The events sit between programmatic dependent launches, so
- * the timed form overlaps a little less than the plain one.
+ * TIMING_N batches to stderr, decode batches (every attention of at most TIMING_DECODE_Q
+ * query tokens) apart from the others. The events sit between programmatic dependent
+ * launches, so the timed form overlaps a little less than the plain one.
  */
 enum { TM_STAGE, TM_ATTN, TM_COMBINE, TM_OUT, TM_GPU, TM_HOST_STAGE = TM_GPU, TM_HOST_LAUNCH, TM_WALL, TM_COLS };
 #define TIMING_N 1024
+#define TIMING_DECODE_Q 16 /* the daemon's --decode-tokens default */
 
 typedef struct timing {
   cudaEvent_t ev[2][TM_GPU + 1]; /* per staging set: the phases' bounds */
-  float us[TIMING_N][TM_COLS];   /* a ring of the last batches */
-  int64_t n;
+  struct {
+    float us[TIMING_N][TM_COLS]; /* the last batches */
+    int64_t n;
+  } ring[2]; /* decode batches, the others */
 } timing;
 
 static const char *const tm_names[TM_COLS] = {"stage", "attention", "combine", "out",
@@ -183,15 +187,17 @@ static int cmp_float(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static void timing_report(const timing *t) {
-  const int n = t->n < TIMING_N ? (int)t->n : TIMING_N;
+static void timing_report(const timing *t, int kind) {
+  const int64_t total = t->ring[kind].n;
+  const int n = total < TIMING_N ? (int)total : TIMING_N;
   if (n == 0) return;
   float *col = malloc((size_t)n * sizeof(*col));
   if (col == NULL) return;
   char line[512];
-  int k = snprintf(line, sizeof(line), "cuda timing: last %d of %lld batches, us p50 / p90:", n, (long long)t->n);
+  int k = snprintf(line, sizeof(line), "cuda timing, %s batches: last %d of %lld, us p50 / p90:",
+                   kind == 0 ? "decode" : "other", n, (long long)total);
   for (int j = 0; j < TM_COLS && k > 0 && (size_t)k < sizeof(line); j++) {
-    for (int i = 0; i < n; i++) col[i] = t->us[i][j];
+    for (int i = 0; i < n; i++) col[i] = t->ring[kind].us[i][j];
     qsort(col, (size_t)n, sizeof(*col), cmp_float);
     k += snprintf(line + k, sizeof(line) - (size_t)k, "%s %s %.1f / %.1f", j == 0 ? "" : ",", tm_names[j],
                   col[n / 2], col[(n * 9) / 10]);
@@ -200,21 +206,22 @@ static void timing_report(const timing *t) {
   free(col);
 }
 
-/* A finished batch of set `set` (its events complete) into the ring. */
-static void timing_add(timing *t, int set, uint64_t t_submit, float host_stage, float host_launch) {
-  float *row = t->us[t->n % TIMING_N];
+/* A finished batch of set `set` (its events complete) into ring `kind` (0 decode). */
+static void timing_add(timing *t, int kind, int set, uint64_t t_submit, float host_stage, float host_launch) {
+  float *row = t->ring[kind].us[t->ring[kind].n % TIMING_N];
   for (int j = 0; j < TM_GPU; j++)
     if (cudaEventElapsedTime(&row[j], t->ev[set][j], t->ev[set][j + 1]) == cudaSuccess) row[j] *= 1e3f;
     else row[j] = -1.0f, (void)cudaGetLastError();
   row[TM_HOST_STAGE] = host_stage;
   row[TM_HOST_LAUNCH] = host_launch;
   row[TM_WALL] = (float)(da_now_ns() - t_submit) * 1e-3f;
-  t->n++;
+  t->ring[kind].n++;
 }
 
 static void timing_free(timing *t) {
   if (t == NULL) return;
-  timing_report(t);
+  timing_report(t, 0);
+  timing_report(t, 1);
   for (int s = 0; s < 2; s++)
     for (int j = 0; j <= TM_GPU; j++)
       if (t->ev[s][j] != NULL) cudaEventDestroy(t->ev[s][j]);
@@ -1194,6 +1201,7 @@ typedef struct flight {
   void *arg;
   uint64_t t_submit;             /* DA_CUDA_TIMING: host ns at submit's entry */
   float host_stage, host_launch; /* and its two parts, us */
+  int tm_kind;                   /* its ring: 0 decode, 1 the others */
 } flight;
 
 static struct flight *flights_alloc(void) { return calloc(2, sizeof(flight)); }
@@ -1253,6 +1261,7 @@ static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *
   if (tev != NULL) {
     CUDA_GOTO(c, cudaEventRecord(tev[TM_GPU], c->stream), fail);
     f->t_submit = t0;
+    for (int i = 0; i < b->n_attns && f->tm_kind == 0; i++) f->tm_kind = b->attns[i].n_q > TIMING_DECODE_Q;
     f->host_stage = (float)(t1 - t0) * 1e-3f;
     f->host_launch = (float)(da_now_ns() - t1) * 1e-3f;
   }
@@ -1299,7 +1308,7 @@ static int finish(void *ctx, da_batch_result *res) {
   c->fl_n--;
   CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
   CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[f->set]), fail);
-  if (c->tm != NULL) timing_add(c->tm, f->set, f->t_submit, f->host_stage, f->host_launch);
+  if (c->tm != NULL) timing_add(c->tm, f->tm_kind, f->set, f->t_submit, f->host_stage, f->host_launch);
   const da_model *m = &c->cfg.model;
   const unsigned char *hout = c->h_out[f->set];
   const da_batch *b = f->b;
