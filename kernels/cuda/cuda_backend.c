@@ -388,13 +388,18 @@ static int kv_stream_env(int *ok, char *err, size_t errlen) {
   return env_pick("DA_CUDA_KV_STREAM", names, sizeof(names) / sizeof(names[0]), 1, ok, err, errlen);
 }
 
+/* An on/off setting var: "1" or "0"; dflt when unset or empty. */
+static int switch_env(const char *var, int dflt, int *on, char *err, size_t errlen) {
+  static const env_choice names[] = {{"0", 0}, {"1", 1}};
+  return env_pick(var, names, sizeof(names) / sizeof(names[0]), dflt, on, err, errlen);
+}
+
 /* DA_CUDA_SM90_QTMA, how prefill_sm90.cu's consumers get Q at head_dim 128 (prefill launches,
  * one ring): 1, by TMA from the producer warp an item ahead into a second Q buffer (the
  * default; NOTES.md v5.17: B 8 L 4k 2.2-3.3 % faster on an H200), or 0, loaded and stored by
  * the consumers at the item's start. The bits never depend on it. */
 static int q_tma_env(int *on, char *err, size_t errlen) {
-  static const env_choice names[] = {{"0", 0}, {"1", 1}};
-  return env_pick("DA_CUDA_SM90_QTMA", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
+  return switch_env("DA_CUDA_SM90_QTMA", 1, on, err, errlen);
 }
 
 /* DA_CUDA_PREFIX: 1 (the default), a partial block's first item is a prefix item (item.h):
@@ -402,8 +407,7 @@ static int q_tma_env(int *on, char *err, size_t errlen) {
  * to go on from, instead of a partial a split; 0, every partial item writes its splits. The
  * bits never depend on it. */
 static int prefix_env(int *on, char *err, size_t errlen) {
-  static const env_choice names[] = {{"0", 0}, {"1", 1}};
-  return env_pick("DA_CUDA_PREFIX", names, sizeof(names) / sizeof(names[0]), 1, on, err, errlen);
+  return switch_env("DA_CUDA_PREFIX", 1, on, err, errlen);
 }
 
 /* An integer setting var in [lo, hi]; unset or empty: unset. what names it in the error. */
@@ -450,8 +454,7 @@ static int partial_per_env(int *per, char *err, size_t errlen) {
 
 /* DA_CUDA_TIMING: 1, the phases of every batch timed (timing_report); unset, empty or 0: off. */
 static int timing_env(int *on, char *err, size_t errlen) {
-  static const env_choice names[] = {{"0", 0}, {"1", 1}};
-  return env_pick("DA_CUDA_TIMING", names, sizeof(names) / sizeof(names[0]), 0, on, err, errlen);
+  return switch_env("DA_CUDA_TIMING", 0, on, err, errlen);
 }
 
 static int create(void **out, const da_backend_cfg *cfg, da_backend_info *info, char *err,
