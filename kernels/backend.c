@@ -45,8 +45,13 @@ int da_backend_open(da_backend **out, const char *name, const da_backend_cfg *cf
     );
     return DETATTN_INVALID_ARGUMENT;
   }
+  return da_backend_open_ops(out, ops, cfg, err, errlen);
+}
+
+int da_backend_open_ops(da_backend **out, const da_backend_ops *ops, const da_backend_cfg *cfg, char *err,
+                        size_t errlen) {
   if (ops->available != NULL && !ops->available()) {
-    snprintf(err, errlen, "backend '%s' has no usable device on this machine", name);
+    snprintf(err, errlen, "backend '%s' has no usable device on this machine", ops->name);
     return DETATTN_UNAVAILABLE;
   }
   da_backend *be = calloc(1, sizeof(*be));

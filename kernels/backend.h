@@ -176,6 +176,9 @@ typedef struct da_backend da_backend;
 /* name: "cpu", "cuda", or "auto" (cuda when built and a device is present, else cpu). */
 int da_backend_open(da_backend **out, const char *name, const da_backend_cfg *cfg, char *err,
                     size_t errlen);
+/* The same for a backend not built in, from its table (tests: a stand-in device). */
+int da_backend_open_ops(da_backend **out, const da_backend_ops *ops, const da_backend_cfg *cfg, char *err,
+                        size_t errlen);
 void da_backend_close(da_backend *be);
 int da_backend_run(da_backend *be, const da_batch *b, da_batch_result *res);
 /* Asynchronous pair with the contracts of ops.submit / ops.finish above, for every backend:

@@ -94,6 +94,7 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
     s->late_yields[0] = dc.late;
   }
   s->worker_idle_sleeps = da_worker_idle_sleeps(d->worker);
+  s->worker_wait_sleeps = da_worker_wait_sleeps(d->worker);
   s->late_yields[1] = da_worker_late_yields(d->worker);
   s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
   s->now_ns = now;

@@ -135,6 +135,10 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
        "Times the backend worker, out of work, slept before its next batch (a batch handed over while it "
        "spun needed no wake-up).");
   put(&b, "detattn_worker_idle_sleeps_total %llu\n", (unsigned long long)s->worker_idle_sleeps);
+  head(&b, "detattn_worker_wait_sleeps_total", "counter",
+       "Batches the backend worker, polling the device, saw complete only after sleeping (the batch "
+       "outlasted its poll's spin: each such batch is seen up to a sleep late).");
+  put(&b, "detattn_worker_wait_sleeps_total %llu\n", (unsigned long long)s->worker_wait_sleeps);
   head(&b, "detattn_spin_late_yields_total", "counter",
        "Times a spinning thread's yield came back late (another thread ran on its core: no idle core); each "
        "ends that spin, and for 1 s no spin follows a client's gap.");

@@ -76,6 +76,7 @@ typedef struct da_metrics_snapshot {
   int64_t doorbell_rings;                      /* doorbell rings mapped */
   uint64_t doorbell_wakeups;                   /* eventfd wake-ups of sleeping rings */
   uint64_t worker_idle_sleeps;                 /* the backend worker's idle periods that ended asleep */
+  uint64_t worker_wait_sleeps;                 /* polled batches it saw complete only after a sleep */
   uint64_t late_yields[2];                     /* spin yields back late: [0] the loop's, [1] the worker's */
   /* device */
   uint64_t busy_ns;  /* time with a batch in the backend, since start */

@@ -2,6 +2,9 @@
 
 #include <errno.h>
 #include <pthread.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +47,8 @@ struct da_worker {
   uint64_t spin_max_ns; /* or half again the last idle gap, up to this (0: spin_ns only) */
   uint64_t idle_gap_ns; /* worker thread: the last idle period, its start to the next batch */
   uint64_t idle_sleeps; /* idle periods that ended asleep: written by the worker, read atomically */
+  uint64_t last_run_ns; /* worker thread: the last polled batch, submit's start to its completion seen */
+  uint64_t wait_sleeps; /* polled batches whose completion was seen after a sleep (read atomically) */
   da_spin_guard guard;  /* the spin's late yields */
   unsigned handed;  /* batches handed over, ever: written under mu, read atomically by the spin */
 };
@@ -137,35 +142,45 @@ static void spin_for_work(da_worker *w, uint64_t spin_ns) {
   pthread_mutex_lock(&w->mu);
 }
 
-/* Called and returns with w->mu held, which it drops meanwhile: polls the backend until the
- * oldest submitted batch has completed (1), a batch was handed over (0: submit it first), or
- * READY_WAIT_MS passed (1: finish waits on the device itself). Yields between polls for the
- * first POLL_SPIN_NS, then sleeps POLL_SLEEP_NS between them, so that a long prefill batch
- * does not hold a core. A device backend's ready notification costs the stream a host
- * callback that blocks its next batch; this costs a core for microseconds. */
+/* Called and returns with w->mu held, which it drops meanwhile: polls the backend until
+ * the oldest submitted batch (s) has completed (1), a batch was handed over (0: submit it
+ * first), or READY_WAIT_MS passed (1: finish waits on the device itself). Yields between
+ * polls for POLL_SPIN_NS, or as long as the last polled batch took and half again (up to
+ * spin_max_ns, the rule of the idle spin: a serving loop's layers are batches of one size),
+ * then sleeps POLL_SLEEP_NS between them, so that a long prefill batch does not hold a core.
+ * A late yield (no idle core) ends the spin. With a fixed 200 us spin every decode batch of a
+ * longer layer call was seen asleep, up to a sleep and the timer's slack late (NOTES.md
+ * v5.31). A device backend's ready notification costs the stream a host callback that
+ * blocks its next batch; this costs a core for the batch's time. */
 #define POLL_SPIN_NS 200000ull
 #define POLL_SLEEP_NS 20000L
-static int poll_done(da_worker *w) {
+static int poll_done(da_worker *w, const slot *s) {
   unsigned seen = w->handed;
   uint64_t t0 = da_now_ns();
-  int done = 0;
+  const uint64_t max = da_spin_guard_calm(&w->guard, t0) ? w->spin_max_ns : 0;
+  const uint64_t spin = da_ring_spin_follow(POLL_SPIN_NS, max, w->last_run_ns);
+  int done = 0, slept = 0, spinning = 1;
   pthread_mutex_unlock(&w->mu);
   for (;;) {
     if (da_backend_poll(w->be) != 0) {
       done = 1;
+      w->last_run_ns = da_now_ns() - s->t0;
+      if (slept) __atomic_add_fetch(&w->wait_sleeps, 1, __ATOMIC_RELAXED);
       break;
     }
     if (__atomic_load_n(&w->handed, __ATOMIC_ACQUIRE) != seen) break;
-    uint64_t t = da_now_ns() - t0;
-    if (t >= (uint64_t)READY_WAIT_MS * 1000000u) {
+    const uint64_t t1 = da_now_ns();
+    if (t1 - t0 >= (uint64_t)READY_WAIT_MS * 1000000u) {
       done = 1;
       break;
     }
-    if (t < POLL_SPIN_NS) {
+    if (spinning && t1 - t0 < spin) {
       sched_yield();
+      if (da_spin_guard_late(&w->guard, t1, da_now_ns())) spinning = 0;
     } else {
       struct timespec ts = {0, POLL_SLEEP_NS};
       nanosleep(&ts, NULL);
+      slept = 1;
     }
   }
   pthread_mutex_lock(&w->mu);
@@ -176,6 +191,11 @@ static int poll_done(da_worker *w) {
  * batch), and finishes the oldest submitted one once the backend says it is ready. */
 static void *run(void *p) {
   da_worker *w = p;
+#ifdef __linux__
+  /* The poll's sleeps are short; the default timer slack (50 us) would more than double
+   * them. */
+  (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+#endif
   int spun = 0;        /* spun since the last batch: the next idle wait sleeps */
   int slept = 0;       /* slept since the last batch */
   uint64_t idle_t = 0; /* when the worker last ran out of work (0: it has work) */
@@ -194,7 +214,7 @@ static void *run(void *p) {
     }
     slot *s = first(w, SUBMITTED);
     if (s != NULL && w->polls) {
-      if (poll_done(w)) do_finish(w, s);
+      if (poll_done(w, s)) do_finish(w, s);
       continue;
     }
     if (s != NULL) {
@@ -280,6 +300,8 @@ void da_worker_set_spin(da_worker *w, int spin_us, int spin_max_us, int late_us)
 }
 
 uint64_t da_worker_idle_sleeps(const da_worker *w) { return __atomic_load_n(&w->idle_sleeps, __ATOMIC_RELAXED); }
+
+uint64_t da_worker_wait_sleeps(const da_worker *w) { return __atomic_load_n(&w->wait_sleeps, __ATOMIC_RELAXED); }
 
 uint64_t da_worker_late_yields(const da_worker *w) { return __atomic_load_n(&w->guard.late, __ATOMIC_RELAXED); }
 

@@ -10,7 +10,8 @@
  * fallback runs each batch in finish(), one at a time, as before.
  *
  * Thread: da_worker_submit, da_worker_take, da_worker_count, da_worker_set_spin,
- * da_worker_idle_sleeps, da_worker_late_yields and da_worker_fail_from are called from the
+ * da_worker_idle_sleeps, da_worker_wait_sleeps, da_worker_late_yields and da_worker_fail_from
+ * are called from the
  * loop thread only. The done callback runs on the
  * worker thread; it must only wake the loop (uv_async_send).
  */
@@ -34,11 +35,17 @@ void da_worker_stop(da_worker *w);
  * per idle period): spin_us (0: never spin), or half again the last idle period (from running
  * out of work to the next batch) if longer, at most spin_max_us (0: spin_us only). A yield
  * of the spin that comes back late_us or more late ends it and stops the following for a
- * while (doorbell_ring.h, da_spin_guard; 0: never). Call before the first submit. */
+ * while (doorbell_ring.h, da_spin_guard; 0: never). On a backend with poll, the worker
+ * waits for a submitted batch by polling: yielding between polls for 200 us, or as long as
+ * the last polled batch took and half again, up to spin_max_us (the same guard), then
+ * sleeping 20 us between polls. Call before the first submit. */
 void da_worker_set_spin(da_worker *w, int spin_us, int spin_max_us, int late_us);
 /* Idle periods that ended with the worker asleep (a batch handed over while it spun needs no
  * wake-up). */
 uint64_t da_worker_idle_sleeps(const da_worker *w);
+/* Polled batches whose completion the worker saw only after sleeping (the batch outlasted
+ * the poll's spin). */
+uint64_t da_worker_wait_sleeps(const da_worker *w);
 /* The worker's spin yields that came back late (no idle core). */
 uint64_t da_worker_late_yields(const da_worker *w);
 /* Tests only: batch n (counting from 1 in hand-over order) and every later one are not

@@ -90,6 +90,7 @@ typedef struct cuda_ctx {
   struct flight *fl;      /* [2] batches in flight, a ring */
   int fl_head, fl_n;
   struct timing *tm;      /* DA_CUDA_TIMING=1 (diagnostics), else NULL */
+  uint64_t tm_at[3];      /* with it: host ns at the ends of stage()'s plan, wait and pack */
   char arch[32];
 } cuda_ctx;
 
@@ -161,13 +162,19 @@ static int available(void) {
  * events between its phases (staging on the device: the metadata H2D, page copies and the
  * append with its gathers, from when the host has packed the batch; the attention; the
  * combine; the outputs' scatter and D2H), the
- * host times submit's staging and launches and the wall time from submit's entry to
+ * host times submit's staging (its parts: validate and plan, the wait for the staging set's
+ * last batch, pack, then the H2D copy and the staging launches) and launches, and the wall time from submit's entry to
  * finish's event wait, and destroy() prints the medians and 90th percentiles of the last
  * TIMING_N batches to stderr, decode batches (every attention of at most TIMING_DECODE_Q
  * query tokens) apart from the others. The events sit between programmatic dependent
  * launches, so the timed form overlaps a little less than the plain one.
  */
-enum { TM_STAGE, TM_ATTN, TM_COMBINE, TM_OUT, TM_GPU, TM_HOST_STAGE = TM_GPU, TM_HOST_LAUNCH, TM_WALL, TM_COLS };
+enum {
+  TM_STAGE, TM_ATTN, TM_COMBINE, TM_OUT, TM_GPU,
+  /* host, us: stage()'s parts (TM_HOST_* .. TM_HOST_LAUNCH - 1 in order), then the launches */
+  TM_HOST_PLAN = TM_GPU, TM_HOST_WAIT, TM_HOST_PACK, TM_HOST_ENQ, TM_HOST_LAUNCH, TM_WALL, TM_COLS
+};
+#define TM_HOST_N (TM_WALL - TM_HOST_PLAN) /* host parts of a batch */
 #define TIMING_N 1024
 #define TIMING_DECODE_Q 16 /* the daemon's --decode-tokens default */
 
@@ -179,8 +186,8 @@ typedef struct timing {
   } ring[2]; /* decode batches, the others */
 } timing;
 
-static const char *const tm_names[TM_COLS] = {"stage", "attention", "combine", "out",
-                                              "host stage", "host launch", "submit to done"};
+static const char *const tm_names[TM_COLS] = {"stage", "attention", "combine", "out", "host plan", "host wait",
+                                              "host pack", "host enqueue", "host launch", "submit to done"};
 
 static int cmp_float(const void *a, const void *b) {
   const float x = *(const float *)a, y = *(const float *)b;
@@ -193,7 +200,7 @@ static void timing_report(const timing *t, int kind) {
   if (n == 0) return;
   float *col = malloc((size_t)n * sizeof(*col));
   if (col == NULL) return;
-  char line[512];
+  char line[768];
   int k = snprintf(line, sizeof(line), "cuda timing, %s batches: last %d of %lld, us p50 / p90:",
                    kind == 0 ? "decode" : "other", n, (long long)total);
   for (int j = 0; j < TM_COLS && k > 0 && (size_t)k < sizeof(line); j++) {
@@ -207,13 +214,12 @@ static void timing_report(const timing *t, int kind) {
 }
 
 /* A finished batch of set `set` (its events complete) into ring `kind` (0 decode). */
-static void timing_add(timing *t, int kind, int set, uint64_t t_submit, float host_stage, float host_launch) {
+static void timing_add(timing *t, int kind, int set, uint64_t t_submit, const float *host) {
   float *row = t->ring[kind].us[t->ring[kind].n % TIMING_N];
   for (int j = 0; j < TM_GPU; j++)
     if (cudaEventElapsedTime(&row[j], t->ev[set][j], t->ev[set][j + 1]) == cudaSuccess) row[j] *= 1e3f;
     else row[j] = -1.0f, (void)cudaGetLastError();
-  row[TM_HOST_STAGE] = host_stage;
-  row[TM_HOST_LAUNCH] = host_launch;
+  memcpy(row + TM_HOST_PLAN, host, TM_HOST_N * sizeof(*host));
   row[TM_WALL] = (float)(da_now_ns() - t_submit) * 1e-3f;
   t->ring[kind].n++;
 }
@@ -1134,6 +1140,8 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
     return DETATTN_RESOURCE_EXHAUSTED;
   }
   plan_batch(c, b, S, pl);
+  const int tm = c->tm != NULL && !bench;
+  if (tm) c->tm_at[0] = da_now_ns();
   if (pl->in_bytes > c->stage_bytes || pl->out_bytes > c->stage_bytes) {
     snprintf(err, errlen, "batch needs %zu bytes of input and %zu of output staging, have %zu each",
              pl->in_bytes, pl->out_bytes, c->stage_bytes);
@@ -1144,7 +1152,9 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
   /* The set's previous batch was finished already (at most two in flight); the event also
    * covers one whose submit failed midway. */
   CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[c->cur]), fail);
+  if (tm) c->tm_at[1] = da_now_ns();
   const int64_t bad = pack(c, b, S, pl, h, d, c->d_out[c->cur]);
+  if (tm) c->tm_at[2] = da_now_ns();
   if (bad > 0) { /* an attention's page id outside the pool: its message, nothing enqueued */
     const da_attn *a = &b->attns[bad - 1];
     rv = check_pages(c, a->pages, a->n_pages, attn_w0(&c->cfg.model, a), (int64_t)a->q_pos + a->n_q, 1, "attn",
@@ -1158,7 +1168,7 @@ static int stage(cuda_ctx *c, const da_batch *b, int S, int bench, uint64_t q_se
   size_t h2d = bench || !pl->host_in ? pl->off_q : pl->in_bytes;
   /* DA_CUDA_TIMING: the device's staging phase starts here (the set's last batch is done, so
    * its events are free to record again) */
-  if (c->tm != NULL && !bench) CUDA_GOTO(c, cudaEventRecord(c->tm->ev[c->cur][TM_STAGE], c->stream), fail);
+  if (tm) CUDA_GOTO(c, cudaEventRecord(c->tm->ev[c->cur][TM_STAGE], c->stream), fail);
   if (c->fl_n > 0) { /* on the copy stream, under the batch in flight's kernels */
     CUDA_GOTO(c, cudaMemcpyAsync(d, h, h2d, cudaMemcpyHostToDevice, c->copy), fail);
     CUDA_GOTO(c, cudaEventRecord(c->ev_in[c->cur], c->copy), fail);
@@ -1203,7 +1213,7 @@ typedef struct flight {
   void (*ready)(void *arg);
   void *arg;
   uint64_t t_submit;             /* DA_CUDA_TIMING: host ns at submit's entry */
-  float host_stage, host_launch; /* and its two parts, us */
+  float host[TM_HOST_N];         /* and its parts, us (TM_HOST_PLAN ..) */
   int tm_kind;                   /* its ring: 0 decode, 1 the others */
 } flight;
 
@@ -1265,8 +1275,8 @@ static int submit(void *ctx, const da_batch *b, void (*ready)(void *arg), void *
     CUDA_GOTO(c, cudaEventRecord(tev[TM_GPU], c->stream), fail);
     f->t_submit = t0;
     for (int i = 0; i < b->n_attns && f->tm_kind == 0; i++) f->tm_kind = b->attns[i].n_q > TIMING_DECODE_Q;
-    f->host_stage = (float)(t1 - t0) * 1e-3f;
-    f->host_launch = (float)(da_now_ns() - t1) * 1e-3f;
+    const uint64_t at[TM_HOST_N + 1] = {t0, c->tm_at[0], c->tm_at[1], c->tm_at[2], t1, da_now_ns()};
+    for (int j = 0; j < TM_HOST_N; j++) f->host[j] = (float)(at[j + 1] - at[j]) * 1e-3f;
   }
   for (int i = 0; i < b->n_signals; i++)
     CUDA_GOTO(c, cudaEventRecord((cudaEvent_t)b->signals[i], c->stream), fail);
@@ -1311,7 +1321,7 @@ static int finish(void *ctx, da_batch_result *res) {
   c->fl_n--;
   CUDA_GOTO(c, cudaSetDevice(c->cfg.device), fail);
   CUDA_GOTO(c, cudaEventSynchronize(c->ev_done[f->set]), fail);
-  if (c->tm != NULL) timing_add(c->tm, f->tm_kind, f->set, f->t_submit, f->host_stage, f->host_launch);
+  if (c->tm != NULL) timing_add(c->tm, f->tm_kind, f->set, f->t_submit, f->host);
   const da_model *m = &c->cfg.model;
   const unsigned char *hout = c->h_out[f->set];
   const da_batch *b = f->b;
