@@ -109,9 +109,8 @@ static const setting table[] = {
      "the backend worker spins (yielding) this long for its next batch before it sleeps; 0: sleep at once; "
      "-1: 20 with 8 or more online CPUs, else 0"},
     {"worker-spin-max-us", T_INT, F(worker_spin_max_us), -1, 1000000, NULL, "-1",
-     "the worker spins up to this long: 1.5x its last idle gap (a client computing between calls), and "
-     "polls a device batch yielding for 1.5x the last one's time (else 200 us, then 20 us sleeps); "
-     "0: worker-spin-us and 200 us only; -1: 2000 with 8+ online CPUs, else 0"},
+     "the worker spins up to this long: 1.5x its last idle gap, or polling a device batch 1.5x the "
+     "last one's time (else 200 us); 0: fixed spins only; -1: 2000 with 8+ online CPUs, else 0"},
     {"spin-late-us", T_INT, F(spin_late_us), 0, 1000000, NULL, "1000",
      "a spinning loop or worker whose yield comes back this late (no idle core) ends its spin, and for 1 s "
      "spins no longer than the fixed ones; 0: never"},

@@ -7,7 +7,8 @@
 # What neither side sees is the transport: nng (or the doorbell) and thread wake-ups.
 # Usage: bash clients/stepbench/gpu_breakdown.sh [BUILD_DIR]   (on the GPU machine; $OUT)
 # Environment: B (1), L (1024), PLANES ("shm cuda"), STEPS (200), BACKEND (cuda), EXTRA_DAEMON_FLAGS,
-# EXTRA_BENCH_FLAGS, and any DETATTN_* variable for the client.
+# DETATTND (the daemon binary; BUILD_DIR/bin/detattnd), EXTRA_BENCH_FLAGS, and any DETATTN_*
+# variable for the client.
 set -u
 build=${1:-build-gpu}
 OUT=${OUT:-/tmp/detattn-gpu}
@@ -26,7 +27,7 @@ for plane in $PLANES; do
   log="$OUT/breakdown-daemon-$plane.log"
   : > "$log" # exists before the wait below greps it
   # shellcheck disable=SC2086
-  "$build/bin/detattnd" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
+  "${DETATTND:-$build/bin/detattnd}" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
     --head-dim 128 --dtype bf16 --kv-tokens "$kv" --split-tokens 512 --http-listen http://127.0.0.1:9477 \
     ${EXTRA_DAEMON_FLAGS:-} 2> "$log" &
   pid=$!

@@ -12,7 +12,9 @@
 # EXTRA_BENCH_FLAGS: added to --mlp-us). BUILD_DIR (build-gpu) without detattnd is configured
 # and built for sm_90 from .devdeps first (carry .devdeps). With DA_CUDA_TIMING=1 the daemons
 # time their batches' phases (cuda_backend.c) and each run's decode-batch line follows the
-# table.
+# table. A variant's flags that begin with @DIR run DIR/bin/detattnd (another build, e.g. of
+# an older tree: `cd .ab-old && bash -c '. clients/stepbench/gpu_common.sh; step_bench_build
+# build-gpu /tmp'`) with the rest of its flags, against this build's step bench.
 set -u
 build=${1:-build-gpu}
 OUT=${OUT:-/tmp/detattn-gpu}
@@ -34,8 +36,12 @@ for shape in $SHAPES; do
     for ((r = 0; r < ROUNDS; r++)); do
       for ((pos = 0; pos < ${#order[@]}; pos++)); do
         k=${order[$pos]}
-        name=${variants[$k]%%=*} flags=${variants[$k]#*=}
-        row=$(OUT="$OUT/run-$B-$L-$mlp-$name-$r-$pos" EXTRA_DAEMON_FLAGS="$flags" \
+        name=${variants[$k]%%=*} flags=${variants[$k]#*=} daemon=$build/bin/detattnd
+        if [ "${flags:0:1}" = @ ]; then
+          read -r dir flags <<< "${flags:1}"
+          daemon=$dir/bin/detattnd
+        fi
+        row=$(OUT="$OUT/run-$B-$L-$mlp-$name-$r-$pos" EXTRA_DAEMON_FLAGS="$flags" DETATTND="$daemon" \
           EXTRA_BENCH_FLAGS="--mlp-us $mlp ${EXTRA_BENCH_FLAGS:-}" bash clients/stepbench/gpu_breakdown.sh "$build" | tail -1)
         echo "$B $L $mlp $name $row" | tee -a "$res"
       done
