@@ -95,6 +95,8 @@ static void metrics_fill(void *arg, da_metrics_snapshot *s) {
   }
   s->worker_idle_sleeps = da_worker_idle_sleeps(d->worker);
   s->worker_wait_sleeps = da_worker_wait_sleeps(d->worker);
+  s->cuda_event_queries = d->ev_queries;
+  s->cuda_event_query_ns = d->ev_query_ns;
   s->late_yields[1] = da_worker_late_yields(d->worker);
   s->busy_ns = d->busy_ns + (d->n_running > 0 ? now - d->busy_since : 0);
   s->now_ns = now;

@@ -158,6 +158,7 @@ typedef struct da_daemon {
   uint64_t op_codes[DA_OP_COUNT][DA_METRICS_CODES]; /* replies by op and status code */
   uint64_t tensor_bytes[DA_METRICS_PLANES][2];      /* admitted Forwards: [plane][in, out] */
   uint64_t via[DA_VIAS];                            /* replies by the transport of their request */
+  uint64_t ev_queries, ev_query_ns;                 /* cuda plane: ready-event queries, time in them */
   uint64_t busy_ns, busy_since;                     /* time with a batch in the worker */
 } da_daemon;
 

@@ -163,6 +163,11 @@ int da_metrics_render(const da_metrics_snapshot *s, double busy_ratio, char **ou
   head(&b, "detattn_cuda_event_wait_seconds", "histogram",
        "cuda plane: time from a Forward's receipt until its client's inputs-ready event had completed.");
   hist(&b, "detattn_cuda_event_wait_seconds", "", &s->cuda_event_wait_seconds);
+  head(&b, "detattn_cuda_event_queries_total", "counter",
+       "cuda plane: queries of clients' inputs-ready events (the loop polls a held Forward's event).");
+  put(&b, "detattn_cuda_event_queries_total %llu\n", (unsigned long long)s->cuda_event_queries);
+  head(&b, "detattn_cuda_event_query_seconds_total", "counter", "cuda plane: time the loop spent in those queries.");
+  put(&b, "detattn_cuda_event_query_seconds_total %.9f\n", 1e-9 * (double)s->cuda_event_query_ns);
   head(&b, "detattn_batch_tokens", "histogram", "Appended + query tokens per batch.");
   hist(&b, "detattn_batch_tokens", "", &s->batch_tokens);
   head(&b, "detattn_batch_requests", "histogram", "Requests with work in a batch.");

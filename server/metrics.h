@@ -77,6 +77,7 @@ typedef struct da_metrics_snapshot {
   uint64_t doorbell_wakeups;                   /* eventfd wake-ups of sleeping rings */
   uint64_t worker_idle_sleeps;                 /* the backend worker's idle periods that ended asleep */
   uint64_t worker_wait_sleeps;                 /* polled batches it saw complete only after a sleep */
+  uint64_t cuda_event_queries, cuda_event_query_ns; /* ready-event queries, and the time spent in them */
   uint64_t late_yields[2];                     /* spin yields back late: [0] the loop's, [1] the worker's */
   /* device */
   uint64_t busy_ns;  /* time with a batch in the backend, since start */

@@ -320,7 +320,10 @@ static int wait_event(da_daemon *d, request *r, int *ready) {
       return 1;
     }
   }
+  const uint64_t t0 = da_now_ns();
   int q = da_backend_event_query(d->be, r->wait_ev);
+  d->ev_queries++;
+  d->ev_query_ns += da_now_ns() - t0;
   if (q < 0) {
     da_ops_reply_error(d, r, DETATTN_INVALID_ARGUMENT, "forward.wait_event: querying the event failed");
     return 1;
