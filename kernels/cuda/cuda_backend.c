@@ -161,10 +161,10 @@ static int available(void) {
  * DA_CUDA_TIMING=1 (diagnostics; unset or 0: off): every batch's stream carries timing
  * events between its phases (staging on the device: the metadata H2D, page copies and the
  * append with its gathers, from when the host has packed the batch; the attention; the
- * combine; the outputs' scatter and D2H), the
- * host times submit's staging (its parts: validate and plan, the wait for the staging set's
- * last batch, pack, then the H2D copy and the staging launches) and launches, and the wall time from submit's entry to
- * finish's event wait, and destroy() prints the medians and 90th percentiles of the last
+ * combine; the outputs' scatter and D2H), the host times submit's staging (its parts:
+ * validate and plan, the wait for the staging set's last batch, pack, then the H2D copy and
+ * the staging launches) and launches, and the wall time from submit's entry to finish's
+ * event wait, and destroy() prints the medians and 90th percentiles of the last
  * TIMING_N batches to stderr, decode batches (every attention of at most TIMING_DECODE_Q
  * query tokens) apart from the others. The events sit between programmatic dependent
  * launches, so the timed form overlaps a little less than the plain one.
