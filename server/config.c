@@ -111,6 +111,9 @@ static const setting table[] = {
     {"worker-spin-max-us", T_INT, F(worker_spin_max_us), -1, 1000000, NULL, "-1",
      "the worker spins up to this long: 1.5x its last idle gap, or polling a device batch 1.5x the "
      "last one's time (else 200 us); 0: fixed spins only; -1: 2000 with 8+ online CPUs, else 0"},
+    {"phase-timing", T_INT, F(phase_timing), 0, 1, NULL, "0",
+     "diagnostics: time each decode Forward from receipt to reply, phase by phase (admission, batch, "
+     "worker, backend, back to the loop, reply), and log their p50 / p90 at exit"},
     {"spin-late-us", T_INT, F(spin_late_us), 0, 1000000, NULL, "1000",
      "a spinning loop or worker whose yield comes back this late (no idle core) ends its spin, and for 1 s "
      "spins no longer than the fixed ones; 0: never"},

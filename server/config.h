@@ -56,6 +56,7 @@ typedef struct da_config {
   int worker_spin_us;    /* worker: wait this long for the next batch spinning before sleeping; -1: auto */
   int worker_spin_max_us; /* worker: or up to this long, 1.5x its last idle gap; -1: auto */
   int spin_late_us;       /* loop and worker: a spin's yield back this late gives way; 0: never */
+  int phase_timing;       /* diagnostics: decode Forwards' phases logged at exit */
   char ipc_mode[16];       /* octal permissions of the ipc socket */
   char tls_cert[DA_CONFIG_STR_MAX], tls_key[DA_CONFIG_STR_MAX], tls_ca[DA_CONFIG_STR_MAX];
   int insecure_tcp;        /* tcp:// on a non-loopback address without TLS was asked for */

@@ -466,6 +466,7 @@ static void submit(da_daemon *d, da_sched_batch *b) {
   da_hist_record(&d->batch_requests, (uint64_t)n_reqs);
   d->batches++;
   d->buf_busy[b - d->bufs] = 1;
+  if (d->phases) d->hand_ns[b - d->bufs] = now;
   if (d->n_running == 0) d->busy_since = now;
   d->n_running++;
   da_log_debug("batch %llu: %d tokens, %d requests; %d in the worker", (unsigned long long)d->batches,
@@ -566,10 +567,17 @@ static void on_batch_done(uv_async_t *h) {
   void *tag;
   int status, n = 0;
   da_batch_result res;
-  uint64_t run_ns, submit_ns;
-  while (da_worker_take(d->worker, &tag, &status, &res, &run_ns, &submit_ns)) {
-    da_hist_record(&d->batch_run_ns, run_ns);
-    da_hist_record(&d->batch_submit_ns, submit_ns);
+  da_worker_times t;
+  while (da_worker_take(d->worker, &tag, &status, &res, &t)) {
+    da_hist_record(&d->batch_run_ns, t.run_ns);
+    da_hist_record(&d->batch_submit_ns, t.submit_ns);
+    if (d->phases) { /* the Forwards this batch completes take its times (ops.c) */
+      const da_sched_batch *b = tag;
+      d->done_at[0] = d->hand_ns[b - d->bufs];
+      d->done_at[1] = t.t0_ns;
+      d->done_at[2] = t.t0_ns + t.run_ns;
+      d->done_at[3] = da_now_ns();
+    }
     batch_done(d, tag, status, &res);
     n++;
   }
@@ -923,6 +931,7 @@ static int start(da_daemon *d) {
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
 
+  if (c->phase_timing && (d->phases = da_phases_new()) == NULL) da_log_warn("--phase-timing: out of memory; off");
   if ((rv = da_worker_start(&d->worker, d->be, on_worker_done, d)) != 0) {
     da_log_error("cannot start the backend worker thread: %s",
                  rv == DETATTN_RESOURCE_EXHAUSTED ? "out of memory" : detattn_status_name(rv));
@@ -1030,6 +1039,9 @@ static void cleanup(da_daemon *d) {
   da_worker_stop(d->worker);
   for (int i = 0; i < DA_WORKER_MAX; i++) da_sched_batch_fini(&d->bufs[i]);
   da_sched_free(d->sched);
+  da_phases_log(d->phases);
+  da_phases_free(d->phases);
+  d->phases = NULL;
   for (int i = 0; i < N_BUCKETS; i++)
     while (d->buckets[i]) {
       client *c = d->buckets[i];

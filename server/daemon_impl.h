@@ -20,6 +20,7 @@
 #include "http.h"
 #include "kvcache.h"
 #include "metrics.h"
+#include "phases.h"
 #include "plane.h"
 #include "scheduler.h"
 #include "transport.h"
@@ -91,6 +92,7 @@ struct request {
   client *cl;
   da_wire_request w;
   uint64_t recv_ns;
+  uint64_t admit_ns; /* --phase-timing: admitted (0: not yet, or not a decode Forward) */
   int status;
   char err[256];
   int n_items, items_left;
@@ -159,6 +161,10 @@ typedef struct da_daemon {
   uint64_t tensor_bytes[DA_METRICS_PLANES][2];      /* admitted Forwards: [plane][in, out] */
   uint64_t via[DA_VIAS];                            /* replies by the transport of their request */
   uint64_t ev_queries, ev_query_ns;                 /* cuda plane: ready-event queries, time in them */
+  struct da_phases *phases;                         /* --phase-timing, else NULL */
+  uint64_t hand_ns[DA_WORKER_MAX];                  /* with it: when each batch buffer went to the worker */
+  uint64_t done_at[4];                              /* and the batch being completed: handed, its submit,
+                                                     * its finish's end, taken back by the loop */
   uint64_t busy_ns, busy_since;                     /* time with a batch in the worker */
 } da_daemon;
 

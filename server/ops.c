@@ -444,6 +444,12 @@ static int op_forward(da_daemon *d, request *r) {
     da_ops_reply_error(d, r, rv, err);
     return 1;
   }
+  if (d->phases) { /* --phase-timing: decode Forwards only */
+    const int dec = d->cfg->decode_tokens > 0 ? d->cfg->decode_tokens : 16;
+    int decode = 1;
+    for (int i = 0; i < w->n_seqs; i++) decode &= w->seqs[i].n_tokens <= dec;
+    r->admit_ns = decode ? da_now_ns() : 0;
+  }
   r->quota_tokens = w->n_tokens;
   r->cl->t->inflight_tokens += w->n_tokens;
   for (int i = 0; i < w->n_seqs; i++) d->seqs[r->items[i].kv_seq].pending++;
@@ -580,5 +586,10 @@ void da_ops_forward_done(da_daemon *d, request *r) {
   r->cl->forward_tokens += (uint64_t)r->w.n_tokens;
   da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
   reply_ok(d, r, &resp);
+  if (d->phases && r->admit_ns != 0) {
+    const uint64_t t[DA_PH_N] = {r->recv_ns, r->admit_ns, d->done_at[0], d->done_at[1], d->done_at[2], d->done_at[3],
+                                 da_now_ns()};
+    da_phases_add(d->phases, t);
+  }
   if (outs != local) free(outs);
 }

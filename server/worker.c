@@ -334,8 +334,7 @@ void da_worker_submit(da_worker *w, const da_batch *b, void *tag) {
   pthread_mutex_unlock(&w->mu);
 }
 
-int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns,
-                   uint64_t *submit_ns) {
+int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, da_worker_times *t) {
   pthread_mutex_lock(&w->mu);
   slot *s = at(w, 0);
   int done = w->n > 0 && s->state == DONE;
@@ -343,8 +342,7 @@ int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, 
     *tag = s->tag;
     *status = s->status;
     *res = s->res;
-    *run_ns = s->run_ns;
-    *submit_ns = s->submit_ns;
+    *t = (da_worker_times){.t0_ns = s->t0, .run_ns = s->run_ns, .submit_ns = s->submit_ns};
     s->state = FREE;
     s->batch = NULL;
     w->head = (w->head + 1) % DA_WORKER_MAX;

@@ -60,12 +60,17 @@ int da_worker_busy(const da_worker *w);
 /* Hands b to the worker. Requires da_worker_count < DA_WORKER_MAX. b and everything it
  * points to must stay valid until da_worker_take returns it. */
 void da_worker_submit(da_worker *w, const da_batch *b, void *tag);
+/* A finished batch's times (da_now_ns clock). */
+typedef struct da_worker_times {
+  uint64_t t0_ns;     /* its da_backend_submit began */
+  uint64_t run_ns;    /* from then to the end of its finish */
+  uint64_t submit_ns; /* of run_ns, da_backend_submit (a device backend's host staging and
+                       * launches; next to nothing where the backend runs batches in finish) */
+} da_worker_times;
+
 /* If the oldest batch handed over has finished, returns 1 and its tag, its status (that of
- * da_backend_submit if it failed, else of da_backend_finish), its result, the time from its
- * submit to the end of its finish and, of that, the time da_backend_submit took (a device
- * backend's host staging and launches; next to nothing where the backend runs batches in
- * finish). Returns 0 if it is still running or nothing was handed over. */
-int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, uint64_t *run_ns,
-                   uint64_t *submit_ns);
+ * da_backend_submit if it failed, else of da_backend_finish), its result and its times.
+ * Returns 0 if it is still running or nothing was handed over. */
+int da_worker_take(da_worker *w, void **tag, int *status, da_batch_result *res, da_worker_times *t);
 
 #endif /* DA_WORKER_H */

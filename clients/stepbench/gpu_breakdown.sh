@@ -27,7 +27,9 @@ for plane in $PLANES; do
   log="$OUT/breakdown-daemon-$plane.log"
   : > "$log" # exists before the wait below greps it
   # shellcheck disable=SC2086
-  "${DETATTND:-$build/bin/detattnd}" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
+  # --phase-timing by its environment variable (a daemon too old to know it ignores it): the
+  # decode Forwards' phases go to the log at exit
+  DETATTND_PHASE_TIMING=${DETATTND_PHASE_TIMING:-1} "${DETATTND:-$build/bin/detattnd}" --listen "ipc://$dir/d.sock" --backend "${BACKEND:-cuda}" --layers 4 --q-heads 32 --kv-heads 8 \
     --head-dim 128 --dtype bf16 --kv-tokens "$kv" --split-tokens 512 --http-listen http://127.0.0.1:9477 \
     ${EXTRA_DAEMON_FLAGS:-} 2> "$log" &
   pid=$!

@@ -12,7 +12,7 @@
 # EXTRA_BENCH_FLAGS: added to --mlp-us). BUILD_DIR (build-gpu) without detattnd is configured
 # and built for sm_90 from .devdeps first (carry .devdeps). With DA_CUDA_TIMING=1 the daemons
 # time their batches' phases (cuda_backend.c) and each run's decode-batch line follows the
-# table. A variant's flags that begin with @DIR run DIR/bin/detattnd (another build, e.g. of
+# table; every run's decode Forwards' phases in the daemon (--phase-timing) are printed too. A variant's flags that begin with @DIR run DIR/bin/detattnd (another build, e.g. of
 # an older tree: `cd .ab-old && bash -c '. clients/stepbench/gpu_common.sh; step_bench_build
 # build-gpu /tmp'`) with the rest of its flags, against this build's step bench.
 set -u
@@ -67,6 +67,12 @@ print("|--:|--:|--:|" + "---|" * len(names))
 for (b, l, m), by in runs.items():
     print("| %s | %s | %s | %s |" % (b, l, m, " | ".join(" / ".join(by[n]) or "-" for n in names)))
 PY
+echo "decode Forwards' phases in the daemon a run (--phase-timing), us p50 / p90:"
+for log in "$OUT"/run-*/breakdown-daemon-*.log; do
+  [ -f "$log" ] || continue
+  line=$(grep -h "phase timing" "$log" | sed 's/.*us p50 \/ p90: //')
+  echo "$(basename "$(dirname "$log")"): ${line:-no phase line}"
+done
 if [ "${DA_CUDA_TIMING:-0}" = 1 ]; then
   echo "decode batches' phases a run (DA_CUDA_TIMING), us p50 / p90:"
   for log in "$OUT"/run-*/breakdown-daemon-*.log; do

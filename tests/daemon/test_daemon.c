@@ -2,7 +2,7 @@
  * test_daemon.c — integration tests against the real detattnd (CPU backend, small models),
  * one daemon per test on an ipc:// socket in a temporary directory (daemon_proc.h).
  * Each tcase is its own ctest (CK_RUN_CASE): daemon_verify, daemon_cli, daemon_ipcbench,
- * daemon_ab, daemon_bad_input, daemon_client_killed, daemon_sigterm.
+ * daemon_ab, daemon_bad_input, daemon_client_killed, daemon_sigterm, daemon_phases.
  *
  * Inputs are seeded random (DETATTN_TEST_SEED overrides; failures print the seed); outputs
  * are checked against the fp64 reference of tests/common (da_testutil).
@@ -738,6 +738,63 @@ START_TEST(sigterm_finishes_in_flight_work_refuses_new_and_exits_zero) {
 }
 END_TEST
 
+/* ---- --phase-timing: decode Forwards' phases in the log at exit ---- */
+
+static void setup_phases(void) {
+  static const char *const args[] = {"--layers", "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                                     "--dtype", "bf16", "--page-tokens", "16", "--kv-tokens", "8192",
+                                     "--split-tokens", "64", "--threads", "1", "--phase-timing", "1", NULL};
+  start_daemon(args);
+}
+
+START_TEST(phase_timing_logs_each_decode_forward_and_no_prefill) {
+  enum { PREFILL = 100, STEPS = 7, LAYERS = 2 };
+  detattn_client *c = connect_ok();
+  detattn_server_info info;
+  ck_assert_int_eq(detattn_hello(c, &info), DETATTN_OK);
+  da_model m = to_da_model(&info.model);
+  size_t qn = (size_t)m.n_q_heads * m.head_dim, kvn = (size_t)m.n_kv_heads * m.head_dim;
+  uint16_t *q = malloc(PREFILL * qn * 2), *k = malloc(PREFILL * kvn * 2), *v = malloc(PREFILL * kvn * 2),
+           *o = malloc(PREFILL * qn * 2);
+  da_rng r;
+  da_rng_seed(&r, seed);
+  da_rng_fill(&r, DA_BF16, q, PREFILL * qn, 1.0);
+  da_rng_fill(&r, DA_BF16, k, PREFILL * kvn, 1.0);
+  da_rng_fill(&r, DA_BF16, v, PREFILL * kvn, 1.0);
+  uint64_t seq[2];
+  for (int s = 0; s < 2; s++) ck_assert_int_eq(detattn_seq_open(c, &seq[s]), DETATTN_OK);
+  /* a prefill Forward of both sequences a layer (not timed), then decode steps of one
+   * token each (timed: LAYERS x STEPS Forwards) */
+  for (int l = 0; l < LAYERS; l++) {
+    detattn_seq_io io[2];
+    for (int s = 0; s < 2; s++)
+      io[s] = (detattn_seq_io){.seq = seq[s], .pos = 0, .n_tokens = PREFILL, .q = q, .k = k, .v = v, .o = o};
+    ck_assert_int_eq(detattn_forward(c, (uint32_t)l, io, 2), DETATTN_OK);
+  }
+  for (int t = 0; t < STEPS; t++)
+    for (int l = 0; l < LAYERS; l++) {
+      detattn_seq_io io[2];
+      for (int s = 0; s < 2; s++)
+        io[s] = (detattn_seq_io){.seq = seq[s], .pos = (uint32_t)(PREFILL + t), .n_tokens = 1, .q = q + s * qn,
+                                 .k = k + s * kvn, .v = v + s * kvn, .o = o + s * qn};
+      int st = detattn_forward(c, (uint32_t)l, io, 2);
+      ck_assert_msg(st == DETATTN_OK, "decode: %s: %s", detattn_status_name(st), detattn_errmsg());
+    }
+  detattn_close(c);
+  char why[256];
+  ck_assert_msg(da_daemon_term_clean(&D, 20000, why, sizeof why) == 0, "%s", why);
+  char line[64];
+  snprintf(line, sizeof line, "phase timing, %d decode forwards (0 skipped)", STEPS * LAYERS);
+  ck_assert_msg(da_daemon_log_has(&D, line), "the log has no \"%s\"", line);
+  ck_assert(da_daemon_log_has(&D, "admit"));
+  ck_assert(da_daemon_log_has(&D, ", backend "));
+  free(q);
+  free(k);
+  free(v);
+  free(o);
+}
+END_TEST
+
 static Suite *daemon_suite(void) {
   /* One test case per ctest entry (CK_RUN_CASE), each with the daemon its fixture starts. */
   const struct {
@@ -752,6 +809,7 @@ static Suite *daemon_suite(void) {
       {"bad_input", setup_bad, {each_bad_request_gets_its_code_and_writes_nothing, NULL}},
       {"client_killed", setup_killed, {killed_client_pages_return_to_the_pool, NULL}},
       {"sigterm", setup_sigterm, {sigterm_finishes_in_flight_work_refuses_new_and_exits_zero, NULL}},
+      {"phases", setup_phases, {phase_timing_logs_each_decode_forward_and_no_prefill, NULL}},
   };
   Suite *s = suite_create("daemon");
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {

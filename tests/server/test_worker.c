@@ -104,11 +104,11 @@ static uint64_t layers(int n, int run_us, int spin_max_us) {
     void *tag = NULL;
     int status = -1;
     da_batch_result res;
-    uint64_t run_ns = 0, submit_ns = 0;
-    ck_assert_int_eq(da_worker_take(w, &tag, &status, &res, &run_ns, &submit_ns), 1);
+    da_worker_times t;
+    ck_assert_int_eq(da_worker_take(w, &tag, &status, &res, &t), 1);
     ck_assert_ptr_eq(tag, &b);
     ck_assert_int_eq(status, 0);
-    ck_assert_uint_ge(run_ns, fake_run_ns); /* seen no earlier than it completed */
+    ck_assert_uint_ge(t.run_ns, fake_run_ns); /* seen no earlier than it completed */
   }
   const uint64_t slept = da_worker_wait_sleeps(w);
   da_worker_stop(w);
