@@ -585,10 +585,11 @@ void da_ops_forward_done(da_daemon *d, request *r) {
   d->forward_tokens += (uint64_t)r->w.n_tokens;
   r->cl->forward_tokens += (uint64_t)r->w.n_tokens;
   da_wire_response resp = {.n_outs = r->n_items, .outs = outs};
+  /* --phase-timing: r's times are read before reply_ok frees it */
+  uint64_t t[DA_PH_N] = {r->recv_ns, r->admit_ns, d->done_at[0], d->done_at[1], d->done_at[2], d->done_at[3], 0};
   reply_ok(d, r, &resp);
-  if (d->phases && r->admit_ns != 0) {
-    const uint64_t t[DA_PH_N] = {r->recv_ns, r->admit_ns, d->done_at[0], d->done_at[1], d->done_at[2], d->done_at[3],
-                                 da_now_ns()};
+  if (d->phases && t[1] != 0) {
+    t[DA_PH_N - 1] = da_now_ns();
     da_phases_add(d->phases, t);
   }
   if (outs != local) free(outs);
