@@ -67,17 +67,16 @@ print("|--:|--:|--:|" + "---|" * len(names))
 for (b, l, m), by in runs.items():
     print("| %s | %s | %s | %s |" % (b, l, m, " | ".join(" / ".join(by[n]) or "-" for n in names)))
 PY
-echo "decode Forwards' phases in the daemon a run (--phase-timing), us p50 / p90:"
-for log in "$OUT"/run-*/breakdown-daemon-*.log; do
-  [ -f "$log" ] || continue
-  line=$(grep -h "phase timing" "$log" | sed 's/.*us p50 \/ p90: //')
-  echo "$(basename "$(dirname "$log")"): ${line:-no phase line}"
-done
-if [ "${DA_CUDA_TIMING:-0}" = 1 ]; then
-  echo "decode batches' phases a run (DA_CUDA_TIMING), us p50 / p90:"
+# each_run TITLE PATTERN: TITLE, then each run's daemon log line matching PATTERN, its numbers
+each_run() {
+  echo "$1"
   for log in "$OUT"/run-*/breakdown-daemon-*.log; do
     [ -f "$log" ] || continue
-    line=$(grep -h "cuda timing, decode batches" "$log" | sed 's/.*us p50 \/ p90: //')
-    echo "$(basename "$(dirname "$log")"): ${line:-no timing line}"
+    line=$(grep -h "$2" "$log" | sed 's/.*us p50 \/ p90: //')
+    echo "$(basename "$(dirname "$log")"): ${line:-no such line}"
   done
+}
+each_run "decode Forwards' phases in the daemon a run (--phase-timing), us p50 / p90:" "phase timing"
+if [ "${DA_CUDA_TIMING:-0}" = 1 ]; then
+  each_run "decode batches' phases a run (DA_CUDA_TIMING), us p50 / p90:" "cuda timing, decode batches"
 fi
