@@ -445,9 +445,8 @@ static int op_forward(da_daemon *d, request *r) {
     return 1;
   }
   if (d->phases) { /* --phase-timing: decode Forwards only */
-    const int dec = d->cfg->decode_tokens > 0 ? d->cfg->decode_tokens : 16;
     int decode = 1;
-    for (int i = 0; i < w->n_seqs; i++) decode &= w->seqs[i].n_tokens <= dec;
+    for (int i = 0; i < w->n_seqs; i++) decode &= w->seqs[i].n_tokens <= d->cfg->decode_tokens;
     r->admit_ns = decode ? da_now_ns() : 0;
   }
   r->quota_tokens = w->n_tokens;
